@@ -1,0 +1,1 @@
+"""HTTP API of the Jacobian service (FastAPI); never imports TensorFlow."""

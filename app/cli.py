@@ -1,0 +1,302 @@
+"""The ``jacobian`` command: compute in-process, serve the API, run a worker, or bring the local stack up.
+
+Nothing heavy at import: TensorFlow and the worker code are imported inside the commands that use them.
+Exit codes: 0 success, 1 a waited-for job failed or was canceled, 2 bad request or an error answer of the
+API (the message names the field), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+KINDS = ("jacobian", "batch_jacobian", "hessian")
+MODES = ("auto", "reverse", "forward")
+
+
+# -- compute ---------------------------------------------------------------------------------------
+
+
+class _ProgressPrinter:
+    """Writes progress lines to stderr at most every ``every_s`` seconds (and the last one)."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s = every_s
+        self.last_s = 0.0
+
+    def __call__(self, progress: dict[str, Any]) -> None:
+        now = time.monotonic()
+        done, total = progress["rows_done"], progress["rows_total"]
+        if done < total and now - self.last_s < self.every_s:
+            return
+        self.last_s = now
+        eta = progress.get("eta_seconds")
+        eta_text = f", eta {eta:.1f}s" if isinstance(eta, (int, float)) and done < total else ""
+        print(f"rows {done}/{total} ({100 * progress['fraction']:.1f}%), "
+              f"{progress['rows_per_second']:.1f} rows/s{eta_text}", file=sys.stderr, flush=True)
+
+
+def cmd_compute(args: argparse.Namespace) -> int:
+    """The engine in-process, no Redis: Zarr result and manifest under ``{out}/{job_id}/``."""
+    from worker.main import configure_devices
+
+    configure_devices()
+    from contracts import storage
+    from contracts.settings import get_settings
+    from worker.engine import EngineError, build_problem
+    from worker.model_cache import get_model
+    from worker.tasks import InvalidInputs, compute_to_storage, effective_budget, load_inputs
+
+    job_id = args.job_id or uuid.uuid4().hex
+    model_path = str(Path(args.model).expanduser().resolve())
+    try:
+        inputs = load_inputs(args.input, field="--input")
+        model = get_model(model_path, args.signature)
+        problem = build_problem(model, inputs, of=args.of, wrt=args.wrt, kind=args.kind, mode=args.mode,
+                                reduce=args.reduce, check_independence=args.check_independence,
+                                output_dtype=args.output_dtype)
+        print(f"job {job_id}: {problem.kind} d{problem.of}/d{problem.wrt}, shape {tuple(problem.layout.shape)}, "
+              f"{problem.rows_total} rows, mode {problem.mode}", file=sys.stderr, flush=True)
+        manifest = compute_to_storage(
+            problem, results_url=storage.normalize(args.out), job_id=job_id,
+            memory_budget_bytes=effective_budget(args.memory_budget, get_settings().memory_budget_bytes),
+            chunk_rows=args.chunk_rows,
+            on_plan=lambda plan: print(f"plan: {plan}", file=sys.stderr, flush=True),
+            on_progress=_ProgressPrinter(),
+            manifest_fields={"model": {"path": model_path, "signature": args.signature}})
+    except (EngineError, InvalidInputs) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(manifest["uri"])
+    return 0
+
+
+# -- serve / worker --------------------------------------------------------------------------------
+
+
+def _default_port() -> int:
+    from contracts.settings import get_settings
+
+    return urlparse(get_settings().api_url).port or 8000
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The HTTP API (``app.main:app``) under uvicorn, in ``--workers`` processes.
+
+    With more than one process, counters and histograms must be shared through prometheus_client's
+    multiprocess files: ``PROMETHEUS_MULTIPROC_DIR`` is used when set, else a fresh temporary folder.
+    """
+    import tempfile
+
+    import uvicorn
+
+    workers = max(1, int(args.workers))
+    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="jacobian-metrics-")
+    uvicorn.run("app.main:app", host=args.host, port=args.port or _default_port(), log_level="info",
+                workers=workers, access_log=not args.no_access_log)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """One rq worker on this process (set ``JACOBIAN_GPU`` to pin a GPU)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from worker.main import run_worker
+
+    run_worker(burst=args.burst)
+    return 0
+
+
+# -- up --------------------------------------------------------------------------------------------
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _redis_reachable(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2).ping())
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def _wait(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _start_redis(var: Path, configured_url: str) -> tuple[subprocess.Popen[bytes], str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("jacobian up: no Redis at JACOBIAN_REDIS_URL and no redis-server on PATH; "
+                         "install redis-server or point JACOBIAN_REDIS_URL at a running Redis")
+    port = urlparse(configured_url).port or 6379
+    if not _port_free("127.0.0.1", port):
+        port = _free_port()
+    data = var / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+                             "--appendonly", "yes"], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    if not _wait(lambda: _redis_reachable(url), 20):
+        proc.terminate()
+        raise SystemExit(f"jacobian up: redis-server did not answer on port {port}")
+    return proc, url
+
+
+def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    for _name, proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for _name, proc in reversed(procs):
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Redis (if none is reachable), the API and one worker; results and models under ``./var``."""
+    from contracts.settings import get_settings
+
+    var = Path(args.var).resolve()
+    env = os.environ.copy()
+    env.setdefault("JACOBIAN_RESULTS_URL", str(var / "results"))
+    env.setdefault("JACOBIAN_MODEL_ROOTS", str(var / "models"))
+    if not env["JACOBIAN_RESULTS_URL"].startswith(("s3://", "s3a://")):
+        Path(env["JACOBIAN_RESULTS_URL"].removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+    for root in env["JACOBIAN_MODEL_ROOTS"].split(","):
+        if root.strip():
+            Path(root.strip()).mkdir(parents=True, exist_ok=True)
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the children too, as Ctrl-C does
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+    redis_url = env.get("JACOBIAN_REDIS_URL") or get_settings().redis_url
+    if not _redis_reachable(redis_url):
+        proc, redis_url = _start_redis(var, redis_url)
+        procs.append(("redis", proc))
+        print(f"redis   {redis_url} (started, data in {var / 'redis'})", flush=True)
+    else:
+        print(f"redis   {redis_url} (already running)", flush=True)
+    env["JACOBIAN_REDIS_URL"] = redis_url
+    port = args.port or _default_port()
+    if not _port_free(args.host, port):
+        port = _free_port()
+    api_url = f"http://{args.host}:{port}"
+    env["JACOBIAN_API_URL"] = api_url
+    cli = [sys.executable, "-m", "app.cli"]
+    try:
+        procs.append(("api", subprocess.Popen(cli + ["serve", "--host", args.host, "--port", str(port)], env=env)))
+        procs.append(("worker", subprocess.Popen(cli + ["worker"], env=env)))
+        print(f"api     {api_url}  (docs {api_url}/docs, jobs {api_url}/v1/jobs, ui {api_url}/ui)", flush=True)
+        print(f"results {env['JACOBIAN_RESULTS_URL']}", flush=True)
+        print(f"models  {env['JACOBIAN_MODEL_ROOTS']}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        while True:
+            for name, proc in procs:
+                if proc.poll() is not None:
+                    print(f"jacobian up: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        _stop(procs)
+
+
+# -- parser ----------------------------------------------------------------------------------------
+
+
+def _add_compute(sub: Any) -> None:
+    p = sub.add_parser("compute", help="compute a Jacobian in this process (no Redis) into Zarr storage")
+    p.add_argument("--model", required=True, help="SavedModel directory")
+    p.add_argument("--input", required=True, help="inputs as an .npz (local path, file:// or s3://)")
+    p.add_argument("--signature", default="serving_default")
+    p.add_argument("--of", help="output name (default: the only output)")
+    p.add_argument("--wrt", help="input name or variables/<name> (default: the only float input)")
+    p.add_argument("--kind", choices=KINDS, default="jacobian")
+    p.add_argument("--mode", choices=MODES, default="auto")
+    p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
+    p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")
+    p.add_argument("--output-dtype", help="store the result as this float dtype")
+    p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on accelerator memory per chunk (bytes)")
+    p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
+    p.add_argument("--job-id", help="result folder name under --out (default: a new id)")
+    p.add_argument("--out", required=True, help="results URL: a directory or s3://bucket/prefix")
+    p.set_defaults(func=cmd_compute)
+
+
+def _add_client_commands(sub: Any) -> None:
+    """``submit``, ``status``, ``fetch``, ``list`` and ``cancel``: HTTP clients of the API (``app.cli_client``)."""
+    from app.cli_client import register
+
+    register(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jacobian", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_compute(sub)
+    p = sub.add_parser("serve", help="run the HTTP API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, help="default: the port of JACOBIAN_API_URL (8000)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="uvicorn processes (metrics shared through PROMETHEUS_MULTIPROC_DIR; default 1)")
+    p.add_argument("--no-access-log", action="store_true", help="no uvicorn access-log line per request")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("worker", help="run one worker (one per GPU)")
+    p.add_argument("--burst", action="store_true", help="quit when the queue is empty")
+    p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("up", help="Redis (if none reachable), the API and one worker, results on local disk")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, help="API port (default: that of JACOBIAN_API_URL, 8000)")
+    p.add_argument("--var", default="var", help="folder for Redis data, results and models (default ./var)")
+    p.set_defaults(func=cmd_up)
+    _add_client_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

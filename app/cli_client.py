@@ -1,0 +1,347 @@
+"""The client commands of ``jacobian``: ``submit``, ``status``, ``fetch``, ``list``, ``cancel``.
+
+They talk to the API at ``--api`` (default ``JACOBIAN_API_URL``) through ``app.client``; nothing
+here imports TensorFlow. Exit codes: 0 success, 1 the job failed or was canceled (``--wait``),
+2 an error answer of the API or the API out of reach, printed as ``error: <type>: <message>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+KINDS = ("jacobian", "batch_jacobian", "hessian")
+MODES = ("auto", "reverse", "forward")
+STATUSES = ("queued", "running", "succeeded", "failed", "canceled")
+
+
+def _api_url(args: argparse.Namespace) -> str:
+    if args.api:
+        return str(args.api)
+    from contracts.settings import get_settings
+
+    return get_settings().api_url
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from app.client import JacobianClient
+
+    return JacobianClient(_api_url(args), api_key=args.api_key or None)
+
+
+def _fail(kind: str, message: str, code: int = 2) -> int:
+    print(f"error: {kind}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        return "--"
+    seconds = float(seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class ProgressBar:
+    """A one-line text progress bar on ``stream`` redrawn with ``\\r``: bar, percent, rows, rows/s, ETA."""
+
+    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self._last_len = 0
+        self._last_text = ""
+
+    @staticmethod
+    def line(record: dict[str, Any], width: int = 30) -> str:
+        progress = record.get("progress") or {}
+        done = progress.get("rows_done") or 0
+        total = progress.get("rows_total")
+        fraction = progress.get("fraction")
+        if not isinstance(fraction, (int, float)):
+            fraction = done / total if isinstance(total, int) and total > 0 else 0.0
+        fraction = min(1.0, max(0.0, float(fraction)))
+        filled = int(round(width * fraction))
+        bar = "#" * filled + "-" * (width - filled)
+        rate = progress.get("rows_per_second")
+        rate_text = f"{rate:,.1f} rows/s" if isinstance(rate, (int, float)) else "-- rows/s"
+        eta = progress.get("eta_seconds")
+        if record.get("status") == "succeeded":
+            eta = 0.0
+        total_text = f"{total:,}" if isinstance(total, int) else "?"
+        return (f"[{bar}] {100 * fraction:5.1f}%  rows {done:,}/{total_text}  {rate_text}  "
+                f"ETA {_fmt_duration(eta)}  {record.get('status', '?')}")
+
+    def update(self, record: dict[str, Any]) -> None:
+        text = self.line(record, self.width)
+        if text == self._last_text:
+            return
+        self._last_text = text
+        pad = " " * max(0, self._last_len - len(text))
+        self.stream.write("\r" + text + pad)
+        self.stream.flush()
+        self._last_len = len(text)
+
+    def finish(self) -> None:
+        if self._last_len:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._last_len = 0
+
+
+# -- commands ----------------------------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Post the .npz as the body (options as query parameters); print the id; ``--wait`` shows progress."""
+    from app.client import JacobianError, JobFailed
+
+    path = Path(args.input)
+    try:
+        body = path.read_bytes()
+    except OSError as exc:
+        return _fail("InvalidRequest", f"--input: cannot read {str(path)!r} ({exc.strerror or exc}); give an .npz file")
+    options = {"of": args.of, "wrt": args.wrt, "kind": args.kind, "mode": args.mode,
+               "memory_budget_bytes": args.memory_budget, "reduce": args.reduce,
+               "check_independence": True if args.check_independence else None,
+               "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards}
+    with _client(args) as client:
+        try:
+            job_id = client.submit_npz(args.model, body, signature=args.signature,
+                                       idempotency_key=args.idempotency_key, **options)
+        except JacobianError as exc:
+            return _fail(exc.type, exc.message)
+        print(job_id, flush=True)
+        if not args.wait:
+            return 0
+        return _wait(client, job_id, args, JacobianError, JobFailed)
+
+
+def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, failed_cls: type) -> int:
+    bar = ProgressBar(sys.stderr)
+    try:
+        record = client.wait(job_id, on_progress=None if args.quiet else bar.update, poll_s=args.poll,
+                             timeout_s=args.timeout)
+    except failed_cls as exc:
+        bar.finish()
+        return _fail(exc.type, exc.message, code=1)
+    except error_cls as exc:
+        bar.finish()
+        return _fail(exc.type, exc.message)
+    except TimeoutError as exc:
+        bar.finish()
+        return _fail("Timeout", f"{exc}; it goes on: jacobian status {job_id}", code=1)
+    bar.finish()
+    result = record.get("result") or {}
+    print(f"succeeded: {job_id} shape {result.get('shape')} {result.get('dtype')} at {result.get('uri')}",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """The job's record as JSON on stdout (``--wait``: with a progress bar until it ends)."""
+    from app.client import JacobianError, JobFailed
+
+    code = 0
+    with _client(args) as client:
+        if args.wait:
+            code = _wait(client, args.id, args, JacobianError, JobFailed)
+            if code == 2:
+                return code
+        try:
+            record = client.status(args.id)
+        except JacobianError as exc:
+            return _fail(exc.type, exc.message)
+    print(json.dumps(record, indent=2))
+    return code
+
+
+def _parse_rows(text: str | None) -> slice | None:
+    """``"a:b"``, ``"a:"``, ``":b"`` or ``"a"`` -> a slice (negative indices count from the end)."""
+    if text is None or text.strip() in ("", ":"):
+        return None
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            start = int(parts[0])
+            return slice(start, start + 1 if start != -1 else None)
+        if len(parts) == 2:
+            return slice(int(parts[0]) if parts[0].strip() else None, int(parts[1]) if parts[1].strip() else None)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"--rows: {text!r} is not a row range; use a:b (0-based, b exclusive)")
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Rows of a succeeded job into an ``.npy`` file, page by page (host memory stays bounded)."""
+    import numpy as np
+
+    from app.client import JacobianError
+
+    try:
+        rows = _parse_rows(args.rows)
+    except argparse.ArgumentTypeError as exc:
+        return _fail("InvalidRequest", str(exc))
+    out = Path(args.output)
+    tmp = out.with_name(f".{out.name}.part")
+    with _client(args) as client:
+        try:
+            pages = client.iter_rows(args.id, rows, page_bytes=args.page_bytes)
+            first = next(pages)
+            record_rows = _expected_rows(client, args.id, rows)
+            n_rows = record_rows if record_rows is not None else first.shape[0]
+            if n_rows == first.shape[0]:
+                with open(tmp, "wb") as fh:
+                    np.save(fh, first, allow_pickle=False)
+            else:
+                target = np.lib.format.open_memmap(tmp, mode="w+", dtype=first.dtype, shape=(n_rows,) + first.shape[1:])
+                target[:first.shape[0]] = first
+                at = first.shape[0]
+                for page in pages:
+                    target[at:at + page.shape[0]] = page
+                    at += page.shape[0]
+                    if not args.quiet:
+                        print(f"\rrows {at:,}/{n_rows:,}", end="", file=sys.stderr, flush=True)
+                target.flush()
+                del target
+                if not args.quiet:
+                    print(file=sys.stderr)
+            os.replace(tmp, out)
+        except JacobianError as exc:
+            tmp.unlink(missing_ok=True)
+            return _fail(exc.type, exc.message)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            return _fail("OSError", f"-o: cannot write {str(out)!r} ({exc.strerror or exc})")
+    arr = np.load(out, mmap_mode="r")
+    print(f"wrote {out}: {arr.shape} {arr.dtype}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _expected_rows(client: Any, job_id: str, rows: slice | None) -> int | None:
+    """How many rows ``rows`` selects, from the job's ``rows_total`` (None when unknown)."""
+    from app.client import _row_range
+
+    total = (client.status(job_id).get("progress") or {}).get("rows_total")
+    if not isinstance(total, int):
+        return None
+    start, stop = _row_range(rows, total)
+    return max(0, min(total, total if stop is None else stop) - start)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Jobs newest first, as a table (``--json``: the records)."""
+    from app.client import JacobianError
+
+    with _client(args) as client:
+        try:
+            jobs = client.list(status=args.status, limit=args.limit)
+        except JacobianError as exc:
+            return _fail(exc.type, exc.message)
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    header = ("ID", "STATUS", "KIND", "PROGRESS", "ROWS/S", "CREATED", "MODEL")
+    table = [header]
+    for job in jobs:
+        progress = job.get("progress") or {}
+        total = progress.get("rows_total")
+        rate = progress.get("rows_per_second")
+        model = (job.get("model") or {}).get("path") or ""
+        table.append((job["id"], job["status"], job.get("kind") or "",
+                      f"{progress.get('rows_done') or 0}/{total if total is not None else '?'}",
+                      f"{rate:.1f}" if isinstance(rate, (int, float)) else "--",
+                      (job.get("created_at") or "")[:19].replace("T", " "), Path(model).name))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Request cancellation; prints the record."""
+    from app.client import JacobianError
+
+    with _client(args) as client:
+        try:
+            record = client.cancel(args.id)
+        except JacobianError as exc:
+            return _fail(exc.type, exc.message)
+    print(json.dumps(record, indent=2))
+    return 0
+
+
+# -- parser ------------------------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api", metavar="URL", help="API address (default: JACOBIAN_API_URL, http://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=os.environ.get("JACOBIAN_API_KEY"), metavar="KEY",
+                   help="sent as Authorization: Bearer (default: JACOBIAN_API_KEY)")
+
+
+def _waiting(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--poll", type=float, default=0.5, metavar="S", help="seconds between polls (default 0.5)")
+    p.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def register(sub: Any) -> None:
+    """Add ``submit``, ``status``, ``fetch``, ``list`` and ``cancel`` to the ``jacobian`` parser."""
+    p = sub.add_parser("submit", help="submit a job to the API (inputs from an .npz); prints its id")
+    p.add_argument("--model", required=True, metavar="PATH", help="SavedModel path under a model root of the API")
+    p.add_argument("--input", required=True, metavar="FILE.npz", help="the inputs, one array per signature input")
+    p.add_argument("--signature", default="serving_default")
+    p.add_argument("--of", help="output name (default: the only output)")
+    p.add_argument("--wrt", help="input name or variables/<name> (default: the only float input)")
+    p.add_argument("--kind", choices=KINDS)
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
+    p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")
+    p.add_argument("--output-dtype", help="store the result as this float dtype")
+    p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on the memory of a chunk (bytes)")
+    p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
+    p.add_argument("--shards", type=int, metavar="N", help="split the job into N row-range shards")
+    p.add_argument("--idempotency-key", metavar="KEY", help="same key and inputs: the same job (default: a new key)")
+    p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar on stderr")
+    _waiting(p)
+    _common(p)
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="a job's status, progress, plan and result as JSON")
+    p.add_argument("id")
+    p.add_argument("--wait", action="store_true", help="wait for the job to end first, with a progress bar")
+    _waiting(p)
+    _common(p)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("fetch", help="rows of a succeeded job's result into an .npy file")
+    p.add_argument("id")
+    p.add_argument("--rows", metavar="A:B", help="row range (0-based, B exclusive; default all rows)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.npy")
+    p.add_argument("--page-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
+                   help="at most this many bytes per request (default 64 MiB)")
+    p.add_argument("--quiet", action="store_true")
+    _common(p)
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("list", help="jobs, newest first")
+    p.add_argument("--status", choices=STATUSES)
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="the records as JSON")
+    _common(p)
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("cancel", help="cancel a job (a running one stops at its next chunk)")
+    p.add_argument("id")
+    _common(p)
+    p.set_defaults(func=cmd_cancel)

@@ -1,0 +1,293 @@
+"""A typed Python client of the Jacobian service's HTTP API (httpx and numpy; never TensorFlow).
+
+    from app.client import JacobianClient
+
+    with JacobianClient("http://127.0.0.1:8000") as client:
+        job_id = client.submit("mlp", {"x": x}, kind="batch_jacobian")
+        record = client.wait(job_id, on_progress=lambda r: print(r["progress"]["fraction"]))
+        first = client.result(job_id, rows=slice(0, 4))     # numpy rows 0:4 over HTTP
+        J = client.result(job_id)                           # lazy zarr array straight from storage
+
+Errors of the API raise ``JacobianError`` (``.type``, ``.message``, ``.status_code``); a job that
+ends ``failed`` or ``canceled`` raises ``JobFailed`` from ``wait``. Connection errors are retried
+a bounded number of times with exponential backoff (a POST only when it carries an
+``Idempotency-Key``, which ``submit`` always sends), as are 502/503/504 answers.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import httpx
+import numpy as np
+
+__all__ = ["JacobianClient", "JacobianError", "JobFailed", "JobCanceled", "DEFAULT_API_URL", "TERMINAL"]
+
+DEFAULT_API_URL = "http://127.0.0.1:8000"
+TERMINAL = ("succeeded", "failed", "canceled")
+NPZ_MEDIA_TYPE = "application/x-npz"
+RETRY_STATUSES = (502, 503, 504)
+PAGE_BYTES = 64 * 1024 * 1024  # rows are fetched in pages of at most this many bytes
+
+ProgressCallback = Callable[[dict[str, Any]], None]
+
+
+class JacobianError(Exception):
+    """An error answer of the API (``{"error": {"type", "message"}}``), or the API out of reach."""
+
+    def __init__(self, type: str, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(f"{type}: {message}")
+        self.type = type
+        self.message = message
+        self.status_code = status_code
+
+
+class JobFailed(JacobianError):
+    """The job ended ``failed`` (or ``canceled``: ``JobCanceled``); ``.record`` is its last status."""
+
+    def __init__(self, job_id: str, record: dict[str, Any]) -> None:
+        error = record.get("error") or {}
+        super().__init__(str(error.get("type") or record.get("status") or "JobFailed"),
+                         str(error.get("message") or f"job {job_id} ended {record.get('status')}"))
+        self.job_id = job_id
+        self.record = record
+
+
+class JobCanceled(JobFailed):
+    """The job was canceled."""
+
+
+def _row_range(rows: slice | tuple[int, int] | None, rows_total: int | None) -> tuple[int, int | None]:
+    """``slice(a, b)`` -> ``(a, b)`` (negative indices need ``rows_total``); ``None`` -> everything."""
+    if rows is None:
+        return 0, None
+    if isinstance(rows, tuple):
+        rows = slice(*rows)
+    if not isinstance(rows, slice) or rows.step not in (None, 1):
+        raise ValueError(f"rows: {rows!r} is not a row range; use slice(a, b) (step 1)")
+    start, stop = rows.start, rows.stop
+    if (start is not None and start < 0) or (stop is not None and stop < 0):
+        if rows_total is None:
+            raise ValueError("rows: negative indices need the job's rows_total, which its status lacks")
+        start, stop, _ = rows.indices(rows_total)
+    return int(start or 0), None if stop is None else int(stop)
+
+
+class JacobianClient:
+    """Client of one API. ``api_url`` defaults to ``JACOBIAN_API_URL`` (else http://127.0.0.1:8000);
+    ``api_key`` is sent as ``Authorization: Bearer``. Use as a context manager or call ``close()``."""
+
+    def __init__(self, api_url: str | None = None, api_key: str | None = None, *, timeout_s: float = 60.0,
+                 retries: int = 5, backoff_s: float = 0.25, max_backoff_s: float = 5.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.api_url = (api_url or os.environ.get("JACOBIAN_API_URL") or DEFAULT_API_URL).rstrip("/")
+        self.retries = max(0, retries)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.api_url, headers=headers, timeout=timeout_s, transport=transport)
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> JacobianClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, *, safe_to_retry: bool | None = None, **kwargs: Any) -> httpx.Response:
+        """One request with bounded retries; raises ``JacobianError`` for an error answer.
+
+        Connection failures before anything was sent are always retried; failures after the request
+        may have reached the API only when ``safe_to_retry`` (default: GET).
+        """
+        if safe_to_retry is None:
+            safe_to_retry = method == "GET"
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                failure: Exception | httpx.Response = exc
+            except httpx.TransportError as exc:
+                if not safe_to_retry:
+                    raise JacobianError("ConnectionError", f"{method} {self.api_url}{path}: {exc!r} (not retried: "
+                                        "the request may have reached the API)") from exc
+                failure = exc
+            else:
+                if response.status_code not in RETRY_STATUSES or attempt >= self.retries:
+                    return self._checked(response)
+                failure = response
+            if attempt >= self.retries:
+                raise JacobianError("ConnectionError", f"cannot reach the API at {self.api_url} "
+                                    f"({method} {path}, {attempt + 1} attempts): {failure!r}") from None
+            time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+            attempt += 1
+
+    @staticmethod
+    def _checked(response: httpx.Response) -> httpx.Response:
+        if response.is_success:
+            return response
+        try:
+            error = response.json()["error"]
+            kind, message = str(error["type"]), str(error["message"])
+        except (ValueError, KeyError, TypeError):
+            kind, message = f"HTTP{response.status_code}", response.text[:500] or response.reason_phrase
+        raise JacobianError(kind, message, status_code=response.status_code)
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, model_path: str, inputs: Mapping[str, np.ndarray], *, signature: str = "serving_default",
+               idempotency_key: str | None = None, **options: Any) -> str:
+        """Queue a job; returns its id. ``inputs`` go as an ``.npz`` body; ``options`` are the job
+        options (``of``, ``wrt``, ``kind``, ``mode``, ``memory_budget_bytes``, ``reduce``,
+        ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``); ``None`` values are left out."""
+        buf = io.BytesIO()
+        np.savez(buf, **{name: np.asarray(value) for name, value in inputs.items()})
+        return self.submit_npz(model_path, buf.getvalue(), signature=signature, idempotency_key=idempotency_key,
+                               **options)
+
+    def submit_npz(self, model_path: str, npz: bytes, *, signature: str = "serving_default",
+                   idempotency_key: str | None = None, **options: Any) -> str:
+        """``submit`` with the inputs already encoded as ``.npz`` bytes (e.g. read from a file)."""
+        params = {"model_path": model_path, "signature": signature}
+        for name, value in options.items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            params[name] = str(getattr(value, "value", value))
+        # A key of our own makes retrying the POST after a dropped connection safe: same key, same job.
+        key = idempotency_key or f"client-{uuid.uuid4().hex}"
+        response = self._request("POST", "/v1/jobs", params=params, content=npz, safe_to_retry=True,
+                                 headers={"Content-Type": NPZ_MEDIA_TYPE, "Idempotency-Key": key})
+        return str(response.json()["id"])
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        """``GET /v1/jobs/{id}``: status, progress, plan, result, error, timestamps."""
+        return dict(self._request("GET", f"/v1/jobs/{job_id}").json())
+
+    def wait(self, job_id: str, *, on_progress: ProgressCallback | None = None, timeout_s: float | None = None,
+             poll_s: float = 0.5) -> dict[str, Any]:
+        """Poll until the job ends; returns its record when it succeeded, raises ``JobFailed``
+        (``JobCanceled``) otherwise and ``TimeoutError`` after ``timeout_s``. ``on_progress(record)``
+        is called after every poll, the last one included."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            record = self.status(job_id)
+            if on_progress is not None:
+                on_progress(record)
+            status = record.get("status")
+            if status == "succeeded":
+                return record
+            if status == "canceled":
+                raise JobCanceled(job_id, record)
+            if status == "failed":
+                raise JobFailed(job_id, record)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} is still {status} after {timeout_s:g} s")
+            time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Request cancellation; returns the record (``canceled`` at once if it was still queued)."""
+        return dict(self._request("POST", f"/v1/jobs/{job_id}/cancel", safe_to_retry=True).json())
+
+    def list(self, status: str | None = None, limit: int = 50) -> builtins.list[dict[str, Any]]:
+        """Jobs newest first (at most ``limit``, following pages as needed), optionally of one status."""
+        jobs: builtins.list[dict[str, Any]] = []
+        token: str | None = None
+        while len(jobs) < limit:
+            params: dict[str, Any] = {"limit": min(1000, limit - len(jobs))}
+            if status is not None:
+                params["status"] = status
+            if token:
+                params["page_token"] = token
+            page = self._request("GET", "/v1/jobs", params=params).json()
+            jobs.extend(page["jobs"])
+            token = page.get("next_page_token")
+            if not token or not page["jobs"]:
+                break
+        return jobs[:limit]
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def result(self, job_id: str, rows: slice | tuple[int, int] | None = None) -> Any:
+        """With ``rows`` (``slice(a, b)``): those rows as a numpy array ``(b - a,) + row_shape``, read
+        over HTTP. Without: the whole result as a lazy ``zarr.Array`` opened from the job's result
+        URI (local path, or ``s3://`` with credentials and endpoint from the ``AWS_*`` variables)."""
+        if rows is None:
+            return self.open_result(job_id)
+        return np.concatenate(builtins.list(self.iter_rows(job_id, rows)))
+
+    def iter_rows(self, job_id: str, rows: slice | tuple[int, int] | None = None, *,
+                  page_bytes: int = PAGE_BYTES) -> Iterator[np.ndarray]:
+        """Rows ``rows`` (default all) in pages of at most ``page_bytes``, each ``(n,) + row_shape``."""
+        record = self.status(job_id)
+        rows_total, row_bytes = _row_geometry(record)
+        start, stop = _row_range(rows, rows_total)
+        if stop is None:
+            stop = rows_total
+        if rows_total is None or stop is None or row_bytes is None:  # unknown geometry: one request
+            yield self._rows(job_id, f"{start}:{'' if stop is None else stop}")
+            return
+        per_page = max(1, page_bytes // max(1, row_bytes))
+        if start >= stop:  # let the API say what is wrong with the range
+            yield self._rows(job_id, f"{start}:{stop}")
+            return
+        for a in range(start, stop, per_page):
+            yield self._rows(job_id, f"{a}:{min(stop, a + per_page)}")
+
+    def _rows(self, job_id: str, spec: str) -> np.ndarray:
+        response = self._request("GET", f"/v1/jobs/{job_id}/result", params={"rows": spec})
+        return np.load(io.BytesIO(response.content), allow_pickle=False)
+
+    def open_result(self, job_id: str) -> Any:
+        """The job's result as a lazy ``zarr.Array`` (nothing read until indexed)."""
+        record = self.status(job_id)
+        if record.get("status") != "succeeded":
+            raise JacobianError("JobNotFinished", f"id: job {job_id!r} is {record.get('status')}; its result "
+                                "can be read once its status is 'succeeded'", status_code=409)
+        uri = (record.get("result") or {}).get("uri")
+        if not uri:
+            raise JacobianError("JobNotFinished", f"id: job {job_id!r} has no result uri", status_code=409)
+        return open_zarr(uri)
+
+
+def _row_geometry(record: dict[str, Any]) -> tuple[int | None, int | None]:
+    """``(rows_total, bytes per row)`` from a status record, ``None`` where it does not say."""
+    rows_total = (record.get("progress") or {}).get("rows_total")
+    result = record.get("result") or {}
+    shape, dtype = result.get("shape"), result.get("dtype")
+    if not isinstance(rows_total, int) or rows_total <= 0 or shape is None or dtype is None:
+        return (rows_total if isinstance(rows_total, int) else None), None
+    try:
+        total_bytes = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+    except TypeError:
+        return rows_total, None
+    return rows_total, max(1, total_bytes // rows_total)
+
+
+def s3_storage_options() -> dict[str, Any]:
+    """fsspec/s3fs options from the standard ``AWS_*`` variables."""
+    from contracts.storage import s3_options_from_env
+
+    return s3_options_from_env()
+
+
+def open_zarr(uri: str) -> Any:
+    """``zarr.open_array(uri, mode="r")``; ``s3://`` through fsspec with ``s3_storage_options()``."""
+    import zarr
+
+    if uri.startswith(("s3://", "s3a://")):
+        return zarr.open_array(uri.replace("s3a://", "s3://", 1), mode="r", storage_options=s3_storage_options())
+    return zarr.open_array(uri.removeprefix("file://"), mode="r")

@@ -1,0 +1,57 @@
+"""FastAPI dependencies as named aliases: settings, Redis, the job store, the rq queue, the API key check."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from redis import Redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from app.errors import NotReady
+from app.security import check_api_key
+from contracts.jobstore import JobStore
+from contracts.settings import Settings, get_settings
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_redis(request: Request) -> Redis:
+    """The process-wide Redis client opened by the app lifespan; raises ``NotReady`` outside it."""
+    conn = getattr(request.app.state, "redis", None)
+    if conn is None:
+        raise NotReady("redis: no connection pool; the app lifespan has not started")
+    return conn
+
+
+RedisDep = Annotated[Redis, Depends(get_redis)]
+
+
+def get_store(redis: RedisDep, settings: SettingsDep) -> JobStore:
+    """Job records; terminal records expire after ``result_ttl_s``."""
+    return JobStore(redis, ttl_s=settings.result_ttl_s)
+
+
+StoreDep = Annotated[JobStore, Depends(get_store)]
+
+
+def get_queue(redis: RedisDep, settings: SettingsDep) -> Queue:
+    """The rq queue ``settings.queue_name`` with the JSON serializer (never pickle)."""
+    return Queue(settings.queue_name, connection=redis, serializer=JSONSerializer)
+
+
+QueueDep = Annotated[Queue, Depends(get_queue)]
+
+
+_bearer = HTTPBearer(auto_error=False, description="An API key of JACOBIAN_API_KEYS (when any is set).")
+
+
+def require_api_key(request: Request, settings: SettingsDep,
+                    _docs: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)] = None) -> None:
+    """401 unless ``Authorization: Bearer <key>`` names a key of ``JACOBIAN_API_KEYS`` (none set: open).
+
+    ``_docs`` only declares the bearer scheme in the OpenAPI document; the raw header is checked.
+    """
+    check_api_key(request.headers.get("authorization"), settings.api_keys)

@@ -1,0 +1,215 @@
+"""Domain errors of the API and the one exception handler that turns them into HTTP answers.
+
+Code inside the app raises the domain errors below (or those of ``contracts``); only
+``handle_error`` knows HTTP status codes. Every answer has the body
+``{"error": {"type": <class name>, "message": <names the field and the fix>}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from contracts.jobstore import JobNotFound
+from contracts.savedmodel import SavedModelError, SignatureNotFound
+
+log = logging.getLogger(__name__)
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: ``{"error": {"type", "message"}}``."""
+
+    error: ErrorDetail
+
+
+_ERROR_DESCRIPTIONS = {400: "malformed request", 401: "missing or wrong API key", 403: "model path not allowed",
+                       404: "unknown job or model", 409: "the job has not succeeded", 413: "too large",
+                       416: "rows outside the result", 422: "invalid request", 503: "not ready"}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for these error status codes, with the error body's schema."""
+    return {code: {"model": ErrorBody, "description": _ERROR_DESCRIPTIONS.get(code, "error")} for code in codes}
+
+
+class ApiError(Exception):
+    """Base of the API's domain errors; ``str(err)`` is the message a client sees."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class MalformedBody(ApiError):
+    """The body cannot be parsed at all (not JSON, not an .npz)."""
+
+
+class InvalidRequest(ApiError):
+    """The request parses but does not fit the model or the contract."""
+
+
+class SignatureMismatch(InvalidRequest):
+    """Inputs, ``of`` or ``wrt`` do not fit the model's signature."""
+
+
+class NonFiniteInput(InvalidRequest):
+    """An input holds NaN or Inf."""
+
+
+class IdempotencyKeyReused(InvalidRequest):
+    """The Idempotency-Key was used before with another body."""
+
+
+class ModelPathNotAllowed(ApiError):
+    """The model path resolves outside every allowed model root."""
+
+
+class ModelNotFound(ApiError):
+    """No SavedModel at an allowed path."""
+
+
+class InvalidApiKey(ApiError):
+    """Missing or unknown API key."""
+
+
+class BodyTooLarge(ApiError):
+    """The body or its tensors are over a configured limit."""
+
+
+class UnsupportedMediaType(ApiError):
+    """The Content-Type is neither JSON nor .npz."""
+
+
+class JobNotFinished(ApiError):
+    """The job's result is not readable yet (or never will be)."""
+
+
+class RangeNotSatisfiable(ApiError):
+    """A requested row range lies outside the result."""
+
+
+class NotReady(ApiError):
+    """A dependency (Redis, storage) is unreachable."""
+
+
+_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (MalformedBody, 400),
+    (InvalidApiKey, 401),
+    (ModelPathNotAllowed, 403),
+    (JobNotFound, 404),
+    (JobNotFinished, 409),
+    (BodyTooLarge, 413),
+    (UnsupportedMediaType, 415),
+    (RangeNotSatisfiable, 416),
+    (ModelNotFound, 422),
+    (SignatureNotFound, 422),
+    (SavedModelError, 422),
+    (InvalidRequest, 422),
+    (ValidationError, 422),
+    (RequestValidationError, 422),
+    (NotReady, 503),
+    (RedisConnectionError, 503),
+    (RedisTimeoutError, 503),
+)
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status for a domain error (500 for anything unexpected)."""
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+_OWN_FIELD = re.compile(r"^[A-Za-z_][\w.]*: ")
+
+
+def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+def validation_message(errors: list[Any]) -> str:
+    """Pydantic errors as ``"field: what is wrong"`` lines joined by ``"; "``."""
+    out = []
+    for err in errors:
+        msg = str(err.get("msg", "invalid"))
+        msg = msg.removeprefix("Value error, ")
+        field = _loc(err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field; remove it (see /docs for the accepted fields)"
+        elif err.get("type") == "missing":
+            msg = "required; add it"
+        # Model validators report their own "field: ..." prefix: "inputs.x" + "shape: ..." -> "inputs.x.shape: ...".
+        if _OWN_FIELD.match(msg):
+            out.append(msg if field == "body" else f"{field}.{msg}")
+        else:
+            out.append(f"{field}: {msg}")
+    return "; ".join(out)
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, (ValidationError, RequestValidationError)):
+        return validation_message(list(exc.errors()))
+    if isinstance(exc, JobNotFound):
+        return f"id: no job {exc.args[0]!r}; list jobs with GET /v1/jobs"
+    if isinstance(exc, SignatureNotFound):
+        return f"model.signature: {exc}"
+    if isinstance(exc, SavedModelError):
+        return f"model.path: {exc}"
+    if isinstance(exc, StarletteHTTPException):
+        return str(exc.detail)
+    if isinstance(exc, ApiError):
+        return exc.message
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return "redis: unreachable; retry later (see GET /readyz)"
+    return "internal error; see the server log"
+
+
+def _type(exc: BaseException) -> str:
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        return "InvalidRequest"
+    if isinstance(exc, StarletteHTTPException):
+        return {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return "NotReady"
+    if status_of(exc) == 500:
+        return "InternalError"
+    return type(exc).__name__
+
+
+async def handle_error(request: Request, exc: Exception) -> JSONResponse:
+    """The one exception handler: domain error -> status code and ``{"error": {type, message}}``."""
+    status = status_of(exc)
+    if status == 500:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, InvalidApiKey) else None
+    body = {"error": {"type": _type(exc), "message": _message(exc)}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_error_handler(app: FastAPI) -> None:
+    """Route every domain error, validation error and HTTP error through ``handle_error``."""
+    for cls in (ApiError, JobNotFound, SavedModelError, SignatureNotFound, ValidationError,
+                RequestValidationError, StarletteHTTPException, RedisConnectionError, RedisTimeoutError, Exception):
+        app.add_exception_handler(cls, handle_error)

@@ -1,0 +1,321 @@
+"""Request bodies -> numpy inputs checked against a model signature, and the job's ``inputs.npz``.
+
+Limits: the body is counted as it streams (``max_body_bytes``); tensors are counted in elements
+(``max_input_elements``, all inputs together) before any of them is materialised, from the JSON
+``shape`` or from each ``.npy`` header inside an ``.npz``. Inputs holding NaN or Inf are refused
+(422): a Jacobian at a non-finite point is not defined.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import zipfile
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from app.errors import BodyTooLarge, InvalidRequest, MalformedBody, NonFiniteInput, SignatureMismatch
+from contracts import storage
+from contracts.jobspec import DIFFERENTIABLE_DTYPES, JobCreate, JobOptions, Kind, ModelRef, TensorIn
+from contracts.layout import INPUTS, job_url
+from contracts.savedmodel import VARIABLE_PREFIX, Shape, Signature, TensorSpec, strip_variable_suffix
+
+NPZ_MEDIA_TYPE = "application/x-npz"
+
+
+async def read_limited(stream: AsyncIterator[bytes], *, max_bytes: int, content_length: str | None) -> bytes:
+    """The whole body, refused with ``BodyTooLarge`` once more than ``max_bytes`` have streamed in.
+
+    ``Content-Length`` only lets an honest oversized request fail before reading; the count of
+    bytes actually received is what is enforced.
+    """
+    limit_text = f"{max_bytes} bytes (JACOBIAN_MAX_BODY_BYTES)"
+    if content_length is not None and content_length.isdigit() and int(content_length) > max_bytes:
+        raise BodyTooLarge(f"body: Content-Length {content_length} is over the limit of {limit_text}; "
+                           "put large inputs in storage and pass 'inputs_uri'")
+    buf = bytearray()
+    async for chunk in stream:
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise BodyTooLarge(f"body: more than {limit_text}; put large inputs in storage and pass 'inputs_uri'")
+    return bytes(buf)
+
+
+def parse_job_json(body: bytes) -> JobCreate:
+    """``POST /v1/jobs`` JSON -> ``JobCreate``; ``MalformedBody`` (400) if not JSON, pydantic errors (422)."""
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedBody(f"body: not valid JSON ({exc}); send a JSON object as described at /docs") from None
+    if not isinstance(obj, dict):
+        raise MalformedBody(f"body: expected a JSON object, got {type(obj).__name__}; see /docs")
+    return JobCreate.model_validate(obj)
+
+
+def parse_npz_query(params: Mapping[str, str]) -> tuple[JobOptions, ModelRef]:
+    """Query parameters of an ``.npz`` upload: ``model_path``, ``signature`` and the ``JobOptions``."""
+    opts: dict[str, Any] = dict(params)
+    path = opts.pop("model_path", None)
+    signature = opts.pop("signature", "serving_default")
+    if not path:
+        raise InvalidRequest("model_path: required query parameter for an .npz body; add ?model_path=<dir>",
+                             field="model_path")
+    try:
+        model = ModelRef(path=path, signature=signature)
+    except ValidationError as exc:
+        raise InvalidRequest(f"model_path/signature: {exc.errors()[0]['msg']}") from None
+    return JobOptions.model_validate(opts), model
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """numpy dtype for a TensorFlow/numpy dtype name (bfloat16 through ml_dtypes when installed)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise InvalidRequest("dtype: bfloat16 inputs need ml_dtypes on the API host; send float32") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise InvalidRequest(f"dtype: {name!r} has no numpy equivalent; this model cannot be served") from None
+
+
+def _check_elements(total: int, max_elements: int) -> None:
+    if total > max_elements:
+        raise BodyTooLarge(f"inputs: {total} elements in total, over the limit of {max_elements} "
+                           "(JACOBIAN_MAX_INPUT_ELEMENTS); send smaller inputs or split the job")
+
+
+def arrays_from_json(inputs: Mapping[str, TensorIn], sig: Signature, *, max_elements: int) -> dict[str, np.ndarray]:
+    """Inline tensors -> arrays; an omitted ``dtype`` takes the signature's dtype for that input."""
+    _check_elements(sum(math.prod(t.shape) for t in inputs.values()), max_elements)
+    out: dict[str, np.ndarray] = {}
+    for name, t in inputs.items():
+        field = f"inputs.{name}"
+        spec = sig.inputs.get(name)
+        dtype_name = spec.dtype if spec is not None and "dtype" not in t.model_fields_set else t.dtype
+        target = numpy_dtype(dtype_name)
+        try:
+            raw = np.asarray(t.data)
+        except ValueError:
+            raise InvalidRequest(f"{field}.data: ragged nested lists; give a flat list of prod(shape) numbers "
+                                 "or nested lists of exactly that shape", field=field) from None
+        if raw.dtype.kind not in "biuf":
+            raise InvalidRequest(f"{field}.data: must hold numbers (or booleans), got {raw.dtype.kind!r} data",
+                                 field=field)
+        want = tuple(t.shape)
+        if raw.size != math.prod(want):
+            raise InvalidRequest(f"{field}.data: has {raw.size} values but shape {list(want)} needs "
+                                 f"{math.prod(want)}; fix 'shape' or 'data'", field=field)
+        if raw.ndim > 1 and raw.shape != want:
+            raise InvalidRequest(f"{field}.data: nested lists of shape {list(raw.shape)} do not match shape "
+                                 f"{list(want)}; send a flat list or nest as {list(want)}", field=field)
+        if target.kind in "iu":
+            if raw.dtype.kind == "f" and not np.all(np.isfinite(raw) & (raw == np.round(raw))):
+                raise InvalidRequest(f"{field}.data: {target.name} input holds non-integer values", field=field)
+            info = np.iinfo(target)
+            if raw.size and (raw.min() < info.min or raw.max() > info.max):
+                raise InvalidRequest(f"{field}.data: values outside the {target.name} range "
+                                     f"[{info.min}, {info.max}]", field=field)
+        out[name] = raw.astype(target).reshape(want)
+    return out
+
+
+def arrays_from_npz(data: bytes, *, max_elements: int, field: str = "body") -> dict[str, np.ndarray]:
+    """An ``.npz`` -> arrays by name; element counts are read from the ``.npy`` headers first."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+        members = [m for m in zf.infolist() if not m.is_dir()]
+        headers = []
+        for member in members:
+            with zf.open(member) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(f"member {member.filename!r}: .npy format {version} is not supported")
+            headers.append((member, shape, dtype))
+        _check_elements(sum(math.prod(shape) for _, shape, _ in headers), max_elements)
+        out: dict[str, np.ndarray] = {}
+        for member, _, dtype in headers:
+            if dtype.hasobject:
+                raise ValueError(f"member {member.filename!r} holds Python objects")
+            with zf.open(member) as f:
+                out[member.filename.removesuffix(".npy")] = np.lib.format.read_array(f, allow_pickle=False)
+        return out
+    except BodyTooLarge:
+        raise
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise MalformedBody(f"{field}: not a readable .npz ({exc}); write it with numpy.savez") from None
+
+
+def _fmt(shape: Shape) -> str:
+    return "unknown rank" if shape is None else "[" + ", ".join("None" if d is None else str(d) for d in shape) + "]"
+
+
+def _names(names: list[str] | Any) -> str:
+    return ", ".join(repr(n) for n in names) or "(none)"
+
+
+def _compatible(shape: tuple[int, ...], spec: Shape) -> bool:
+    if spec is None:
+        return True
+    return len(shape) == len(spec) and all(s is None or s == d for d, s in zip(shape, spec))
+
+
+def check_inputs(arrays: Mapping[str, np.ndarray], sig: Signature) -> None:
+    """Every signature input given, none unknown, each with its dtype, a compatible shape, finite values."""
+    for name in arrays:
+        if name not in sig.inputs:
+            raise SignatureMismatch(f"inputs.{name}: signature {sig.name!r} has no input {name!r}; its inputs are: "
+                                    f"{_names(list(sig.inputs))}", field=f"inputs.{name}")
+    for name, spec in sig.inputs.items():
+        if name not in arrays:
+            raise SignatureMismatch(f"inputs.{name}: required by signature {sig.name!r} ({spec.dtype}, shape "
+                                    f"{_fmt(spec.shape)}); add it", field=f"inputs.{name}")
+        arr = arrays[name]
+        if arr.dtype != numpy_dtype(spec.dtype):
+            raise SignatureMismatch(f"inputs.{name}.dtype: got {arr.dtype.name}, the signature wants {spec.dtype}; "
+                                    f"send {spec.dtype}", field=f"inputs.{name}")
+        if not _compatible(arr.shape, spec.shape):
+            raise SignatureMismatch(f"inputs.{name}.shape: got {list(arr.shape)}, the signature wants "
+                                    f"{_fmt(spec.shape)} (None: any size); reshape the input",
+                                    field=f"inputs.{name}")
+        if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
+            finite = np.isfinite(arr.astype(np.float32) if arr.dtype.name == "bfloat16" else arr)
+            if not finite.all():
+                first = np.unravel_index(int(np.argmin(finite)), arr.shape) if arr.ndim else ()
+                raise NonFiniteInput(f"inputs.{name}: contains NaN or Inf (first at index {list(map(int, first))}); "
+                                     "replace non-finite values, the Jacobian is not defined there",
+                                     field=f"inputs.{name}")
+
+
+def resolve_of(of: str | None, sig: Signature) -> str:
+    """The output to differentiate; may be omitted when the signature has exactly one output."""
+    outputs = list(sig.outputs)
+    if of is None:
+        if len(outputs) == 1:
+            return outputs[0]
+        raise SignatureMismatch(f"of: signature {sig.name!r} has outputs {_names(outputs)}; name one with 'of'",
+                                field="of")
+    if of not in sig.outputs:
+        raise SignatureMismatch(f"of: {of!r} is not an output of signature {sig.name!r}; choose one of: "
+                                f"{_names(outputs)}", field="of")
+    return of
+
+
+def resolve_wrt(wrt: str | None, sig: Signature, variables: Mapping[str, TensorSpec]) -> str:
+    """A float input, or ``variables/<name>`` of a float variable; may be omitted with one float input."""
+    floats = [n for n, s in sig.inputs.items() if s.dtype in DIFFERENTIABLE_DTYPES]
+    choices = _names(floats) if floats else "a model variable as 'variables/<name>' (see GET /v1/models/signature)"
+    if wrt is None:
+        if len(floats) == 1:
+            return floats[0]
+        what = "no float input" if not floats else f"several float inputs ({_names(floats)})"
+        raise SignatureMismatch(f"wrt: signature {sig.name!r} has {what}; name one with 'wrt': {choices}",
+                                field="wrt")
+    if wrt.startswith(VARIABLE_PREFIX):
+        name = strip_variable_suffix(wrt[len(VARIABLE_PREFIX):])
+        var = variables.get(name)
+        if var is None:
+            some = _names([VARIABLE_PREFIX + v for v in list(variables)[:10]])
+            raise SignatureMismatch(f"wrt: the model has no variable {name!r}; choose one of: {some}", field="wrt")
+        if var.dtype not in DIFFERENTIABLE_DTYPES:
+            raise SignatureMismatch(f"wrt: variable {name!r} is {var.dtype} and cannot be differentiated; "
+                                    f"choose one of: {choices}", field="wrt")
+        return VARIABLE_PREFIX + name
+    spec = sig.inputs.get(wrt)
+    if spec is None:
+        raise SignatureMismatch(f"wrt: {wrt!r} is neither an input of signature {sig.name!r} nor "
+                                f"'variables/<name>'; choose one of: {choices}", field="wrt")
+    if spec.dtype not in DIFFERENTIABLE_DTYPES:
+        raise SignatureMismatch(f"wrt: {wrt!r} is {spec.dtype} and cannot be differentiated; choose one of: "
+                                f"{choices}", field="wrt")
+    return wrt
+
+
+def _is_scalar(shape: Shape) -> bool:
+    return shape is None or all(d is not None for d in shape) and math.prod(d or 0 for d in shape) == 1
+
+
+def check_kind(options: JobOptions, sig: Signature, of: str, wrt: str,
+               arrays: Mapping[str, np.ndarray], variables: Mapping[str, TensorSpec]) -> None:
+    """Kind-specific rules: a Hessian needs a scalar ``of`` (or ``reduce='sum'``); a batch Jacobian
+    needs ``of`` and ``wrt`` with batch axes of equal size."""
+    of_shape = sig.outputs[of].shape
+    if options.kind == Kind.hessian and options.reduce != "sum" and not _is_scalar(of_shape):
+        scalars = [n for n, s in sig.outputs.items() if s.shape == ()]
+        alt = f", or choose a scalar output: {_names(scalars)}" if scalars else ""
+        raise SignatureMismatch(f"of: {of!r} has shape {_fmt(of_shape)}, but a Hessian needs a scalar output; "
+                                f"set reduce='sum' for the Hessian of sum({of}){alt}", field="of")
+    if options.kind != Kind.batch_jacobian:
+        return
+    if wrt.startswith(VARIABLE_PREFIX):
+        raise SignatureMismatch("wrt: batch_jacobian needs an input with a batch axis, not a variable; use "
+                                "kind='jacobian' for a Jacobian with respect to a variable", field="wrt")
+    batch_shape = arrays[wrt].shape
+    if not batch_shape:
+        raise SignatureMismatch(f"wrt: {wrt!r} is a scalar; batch_jacobian needs a batch axis (axis 0); "
+                                "use kind='jacobian'", field="wrt")
+    if of_shape is not None and len(of_shape) == 0:
+        raise SignatureMismatch(f"of: {of!r} is a scalar; batch_jacobian needs an output with a batch axis; "
+                                "use kind='jacobian'", field="of")
+    if of_shape is not None and of_shape[0] is not None and of_shape[0] != batch_shape[0]:
+        raise SignatureMismatch(f"of: {of!r} has batch axis {of_shape[0]} but wrt {wrt!r} has {batch_shape[0]}; "
+                                "batch_jacobian needs equal batch sizes, use kind='jacobian'", field="of")
+
+
+def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, arrays: Mapping[str, np.ndarray],
+                      variables: Mapping[str, TensorSpec], *, max_result_bytes: int) -> None:
+    """Refuse a job whose result would pass ``max_result_bytes``, when its size can be known here.
+
+    ``of``'s unknown dims are taken as the batch size when every input with an unknown leading
+    dim has the same leading size; otherwise the check is left to the worker.
+    """
+    of_spec = sig.outputs[of]
+    if of_spec.shape is None:
+        return
+    batch = {arrays[n].shape[0] for n, s in sig.inputs.items() if s.shape and s.shape[0] is None and n in arrays}
+    if any(d is None for d in of_spec.shape[1:]) or (of_spec.shape and of_spec.shape[0] is None and len(batch) != 1):
+        return
+    of_shape = tuple(d if d is not None else next(iter(batch)) for d in of_spec.shape)
+    wrt_shape = variables[wrt[len(VARIABLE_PREFIX):]].shape if wrt.startswith(VARIABLE_PREFIX) else arrays[wrt].shape
+    if wrt_shape is None or any(d is None for d in wrt_shape):
+        return
+    if options.kind == Kind.hessian:
+        elements = math.prod(wrt_shape) ** 2
+    elif options.kind == Kind.batch_jacobian:
+        elements = wrt_shape[0] * math.prod(of_shape[1:]) * math.prod(wrt_shape[1:])
+    else:
+        elements = math.prod(of_shape) * math.prod(wrt_shape)
+    size = elements * numpy_dtype(options.output_dtype or of_spec.dtype).itemsize
+    if size > max_result_bytes:
+        raise InvalidRequest(f"inputs: the result would be {size} bytes, over the limit of {max_result_bytes} "
+                             "(JACOBIAN_MAX_RESULT_BYTES); use smaller inputs, kind='batch_jacobian' for "
+                             "independent examples, or output_dtype='float16'", field="inputs")
+
+
+def encode_npz(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Arrays as an uncompressed ``.npz`` (what workers read)."""
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    return buf.getvalue()
+
+
+def inputs_url(results_url: str, job_id: str) -> str:
+    """``{results_url}/{job_id}/inputs.npz``."""
+    return f"{job_url(results_url, job_id)}/{INPUTS}"
+
+
+def write_inputs(results_url: str, job_id: str, arrays: Mapping[str, np.ndarray]) -> str:
+    """Store the job's inputs as ``{results_url}/{job_id}/inputs.npz``; returns that URL."""
+    url = inputs_url(results_url, job_id)
+    storage.write_bytes(url, encode_npz(arrays))
+    return url

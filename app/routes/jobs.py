@@ -1,0 +1,357 @@
+"""``/v1/jobs``: submit (validated against the signature, then queued), list, read, cancel, read result rows."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from rq import Queue, Retry
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job
+from rq.job import JobStatus as RqStatus
+from starlette.concurrency import run_in_threadpool
+
+from app import inputs as tensors
+from app.deps import QueueDep, SettingsDep, StoreDep, require_api_key
+from app.errors import (ApiError, IdempotencyKeyReused, InvalidRequest, JobNotFinished, NotReady,
+                        RangeNotSatisfiable, UnsupportedMediaType, error_responses)
+from app.metrics import JOBS_CANCELED, JOBS_REJECTED, JOBS_SUBMITTED
+from app.routes.models import load_signature
+from contracts import storage
+from contracts.jobspec import JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob
+from contracts.jobstore import JobRecord, JobStore
+from contracts.layout import RESULT_ARRAY, Block, ResultLayout, job_url
+from contracts.settings import Settings
+
+TASK = "worker.tasks.run_job"
+JSON_MEDIA_TYPE = "application/json"
+NPY_MEDIA_TYPE = "application/octet-stream"
+RETRY_INTERVALS_S = [5, 30]
+_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)],
+                   responses=error_responses(401))
+
+
+class JobAccepted(BaseModel):
+    id: str
+    status: JobStatus
+
+
+_NPZ_PARAMS = ["model_path", "signature", *JobOptions.model_fields]
+_SUBMIT_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/JobCreate"}},
+            tensors.NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    "parameters": [
+        {"name": name, "in": "query", "required": name == "model_path", "schema": {"type": "string"},
+         "description": "only with an application/x-npz body"} for name in _NPZ_PARAMS
+    ],
+}
+
+
+@router.post("", status_code=202, response_model=JobAccepted, openapi_extra=_SUBMIT_OPENAPI,
+             responses={400: {"description": "malformed body"}, 403: {"description": "model path not allowed"},
+                        413: {"description": "body or inputs too large"}, 422: {"description": "invalid request"}})
+async def create_job(
+    request: Request, settings: SettingsDep, store: StoreDep, queue: QueueDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JSONResponse:
+    """Validate a job against the model's signature, store its inputs, queue it: ``202`` and ``Location``.
+
+    JSON body (``JobCreate``) or an ``.npz`` body (``Content-Type: application/x-npz``) with the
+    options as query parameters. Nothing is stored or queued when validation fails.
+    """
+    media = (request.headers.get("content-type") or JSON_MEDIA_TYPE).split(";")[0].strip().lower()
+    try:
+        if media not in (JSON_MEDIA_TYPE, tensors.NPZ_MEDIA_TYPE):
+            raise UnsupportedMediaType(f"Content-Type: {media!r} is not supported; send {JSON_MEDIA_TYPE} "
+                                       f"or {tensors.NPZ_MEDIA_TYPE}")
+        body = await tensors.read_limited(request.stream(), max_bytes=settings.max_body_bytes,
+                                          content_length=request.headers.get("content-length"))
+        job_id, status = await run_in_threadpool(
+            submit, body, media, dict(request.query_params), settings=settings, store=store, queue=queue,
+            idempotency_key=idempotency_key)
+    except (ApiError, ValidationError) as exc:
+        JOBS_REJECTED.labels(type(exc).__name__).inc()
+        raise
+    return JSONResponse({"id": job_id, "status": status.value}, status_code=202,
+                        headers={"Location": f"/v1/jobs/{job_id}"})
+
+
+def submit(body: bytes, media: str, query: Mapping[str, str], *, settings: Settings, store: JobStore,
+           queue: Queue, idempotency_key: str | None) -> tuple[str, JobStatus]:
+    """Validate, then store inputs, create the record and enqueue; returns ``(job id, status)``."""
+    if idempotency_key is not None and not _IDEMPOTENCY_KEY.match(idempotency_key):
+        raise InvalidRequest("Idempotency-Key: use 1 to 255 printable ASCII characters without spaces")
+    queued, arrays = validate(body, media, query, settings)
+    body_hash = fingerprint(queued, arrays)
+    job_id = uuid.uuid4().hex
+    if idempotency_key is not None:
+        stored_id, stored_hash = store.claim_idempotency_key(idempotency_key, job_id=job_id, body_hash=body_hash,
+                                                             ttl_s=settings.result_ttl_s)
+        if stored_id != job_id:
+            if stored_hash != body_hash:
+                raise IdempotencyKeyReused(f"Idempotency-Key: {idempotency_key!r} was used with another body "
+                                           f"(job {stored_id}); use a new key for a new job")
+            try:
+                return stored_id, store.get(stored_id).status
+            except KeyError:
+                return stored_id, JobStatus.queued
+    try:
+        enqueue(job_id, queued, arrays, settings=settings, store=store, queue=queue)
+    except BaseException:
+        if idempotency_key is not None:
+            store.release_idempotency_key(idempotency_key)
+        raise
+    return job_id, JobStatus.queued
+
+
+def fingerprint(queued: QueuedJob, arrays: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 of the validated request (spec and input tensors): equal for JSON and .npz forms of
+    the same job, indifferent to key order and whitespace."""
+    h = hashlib.sha256(json.dumps(queued.model_dump(mode="json"), sort_keys=True).encode())
+    for name in sorted(arrays):
+        arr = np.ascontiguousarray(arrays[name])
+        h.update(json.dumps([name, arr.dtype.str, list(arr.shape)]).encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def validate(body: bytes, media: str, query: Mapping[str, str],
+             settings: Settings) -> tuple[QueuedJob, dict[str, np.ndarray]]:
+    """Everything checked before anything is written; returns the spec (id and URIs blank) and inputs."""
+    if media == tensors.NPZ_MEDIA_TYPE:
+        options, model = tensors.parse_npz_query(query)
+        job: JobCreate | None = None
+    else:
+        if query:
+            raise InvalidRequest(f"query: {', '.join(sorted(query))} not used with a JSON body; put the options "
+                                 "in the body")
+        job = tensors.parse_job_json(body)
+        options, model = JobOptions.model_validate(job.model_dump(include=set(JobOptions.model_fields))), job.model
+    model_dir, info, sig = load_signature(model.path, model.signature, settings.model_roots,
+                                          path_field="model.path" if job else "model_path",
+                                          signature_field="model.signature" if job else "signature")
+    if job is None:
+        arrays = tensors.arrays_from_npz(body, max_elements=settings.max_input_elements)
+    elif job.inputs is not None:
+        arrays = tensors.arrays_from_json(job.inputs, sig, max_elements=settings.max_input_elements)
+    else:
+        arrays = tensors.arrays_from_npz(_read_inputs_uri(str(job.inputs_uri), settings),
+                                         max_elements=settings.max_input_elements, field="inputs_uri")
+    tensors.check_inputs(arrays, sig)
+    of = tensors.resolve_of(options.of, sig)
+    wrt = tensors.resolve_wrt(options.wrt, sig, info.variables)
+    tensors.check_kind(options, sig, of, wrt, arrays, info.variables)
+    tensors.check_result_size(options, sig, of, wrt, arrays, info.variables,
+                              max_result_bytes=settings.max_result_bytes)
+    spec = options.model_dump(exclude={"of", "wrt"})
+    queued = QueuedJob(id="", model=ModelRef(path=str(model_dir), signature=model.signature), inputs_uri="",
+                       results_url=storage.normalize(settings.results_url), of=of, wrt=wrt, **spec)
+    return queued, arrays
+
+
+def _read_inputs_uri(uri: str, settings: Settings) -> bytes:
+    """The .npz at ``uri``, which must lie under the results storage (the service reads nothing else)."""
+    base = storage.normalize(settings.results_url).rstrip("/") + "/"
+    if ".." in uri.split("/") or not storage.normalize(uri).startswith(base):
+        raise InvalidRequest(f"inputs_uri: {uri!r} is not under the results storage {base!r}; upload the .npz "
+                             "there or send it as the body (Content-Type: application/x-npz)", field="inputs_uri")
+    try:
+        return storage.read_bytes(uri)
+    except FileNotFoundError:
+        raise InvalidRequest(f"inputs_uri: nothing at {uri!r}; upload the .npz first", field="inputs_uri") from None
+
+
+def enqueue(job_id: str, queued: QueuedJob, arrays: Mapping[str, np.ndarray], *, settings: Settings,
+            store: JobStore, queue: Queue) -> None:
+    """Write ``inputs.npz``, create the job record, put ``worker.tasks.run_job(spec)`` on the rq queue."""
+    try:
+        url = tensors.write_inputs(queued.results_url, job_id, arrays)
+    except OSError as exc:
+        raise NotReady(f"storage: cannot write the job's inputs under {queued.results_url!r} ({exc}); "
+                       "retry later (see GET /readyz)") from None
+    spec = queued.model_copy(update={"id": job_id, "inputs_uri": url}).model_dump(mode="json")
+    record = JobRecord(id=job_id, status=JobStatus.queued, spec=spec, created_at=time.time(),
+                       progress={"rows_done": 0, "rows_total": None, "fraction": 0.0, "rows_per_second": None,
+                                 "eta_seconds": None})
+    store.create(record)
+    try:
+        queue.enqueue_call(
+            TASK, args=(spec,), job_id=job_id, timeout=settings.job_timeout_s, result_ttl=settings.result_ttl_s,
+            failure_ttl=settings.result_ttl_s, description=f"{spec['kind']} job {job_id}",
+            retry=Retry(max=settings.job_retries, interval=RETRY_INTERVALS_S) if settings.job_retries > 0 else None)
+    except BaseException:
+        store.connection.delete(store.key(job_id))
+        store.connection.zrem(store.index_key, job_id)
+        raise
+    JOBS_SUBMITTED.labels(spec["kind"]).inc()
+
+
+@router.get("")
+def list_jobs(
+    store: StoreDep,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    page_token: Annotated[str | None, Query(description="next_page_token of the previous page")] = None,
+) -> dict[str, Any]:
+    """Jobs newest first: ``{"jobs": [...], "next_page_token": str | null}``."""
+    before, before_id = _decode_token(page_token) if page_token else (None, None)
+    records = store.list(status=status, limit=limit, before=before, before_id=before_id)
+    token = _encode_token(records[-1].created_at, records[-1].id) if len(records) == limit else None
+    return {"jobs": [r.to_public() for r in records], "next_page_token": token}
+
+
+def _encode_token(created_at: float, job_id: str) -> str:
+    raw = json.dumps({"before": created_at, "id": job_id}).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_token(token: str) -> tuple[float, str | None]:
+    try:
+        raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        job_id = raw.get("id")
+        if job_id is not None and not isinstance(job_id, str):
+            raise TypeError("id")
+        return float(raw["before"]), job_id
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidRequest("page_token: not a token from a previous page; omit it to start from the newest job",
+                             field="page_token") from None
+
+
+@router.get("/{job_id}", responses=error_responses(404))
+def get_job(job_id: str, store: StoreDep) -> dict[str, Any]:
+    """Status, progress, chunk plan, result and error of one job (404 if unknown)."""
+    return store.get(job_id).to_public()
+
+
+@router.post("/{job_id}/cancel", responses=error_responses(404))
+def cancel_job(job_id: str, store: StoreDep, queue: QueueDep) -> dict[str, Any]:
+    """Request cancellation: a queued job is canceled now; a running one stops at its next chunk boundary."""
+    record = store.get(job_id)
+    JOBS_CANCELED.labels(record.status.value).inc()
+    if record.status.is_terminal:
+        return record.to_public()
+    store.update(job_id, cancel_requested=True)
+    if record.status == JobStatus.queued and _cancel_rq_job(job_id, queue):
+        store.update(job_id, status=JobStatus.canceled, finished_at=time.time(),
+                     error={"type": "Canceled", "message": "canceled before it started"})
+    return store.get(job_id).to_public()
+
+
+def _cancel_rq_job(job_id: str, queue: Queue) -> bool:
+    """Cancel the rq job unless a worker has it already; True when it will never start."""
+    try:
+        job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
+    except NoSuchJobError:
+        return True
+    if job.get_status() not in (RqStatus.QUEUED, RqStatus.SCHEDULED, RqStatus.DEFERRED, RqStatus.CANCELED):
+        return False
+    try:
+        job.cancel()
+    except InvalidJobOperation:
+        pass
+    return True
+
+
+@router.get("/{job_id}/result", response_class=Response,
+            responses={200: {"content": {NPY_MEDIA_TYPE: {}}, "description": "rows a:b as .npy bytes"},
+                       **error_responses(404, 409, 416)})
+def get_result(
+    job_id: str, store: StoreDep, settings: SettingsDep,
+    rows: Annotated[str | None, Query(description="row range 'a:b' (0-based, b exclusive); default all")] = None,
+) -> Response:
+    """Rows ``a:b`` of a succeeded job's result as ``.npy``, shaped ``(b - a,) + row_shape``.
+
+    Rows run over the result's iterated axes (``X-Rows-Total``, ``X-Row-Shape`` headers);
+    409 until the job has succeeded, 416 for a range outside the result, 422 for a malformed one.
+    """
+    record = store.get(job_id)
+    if record.status != JobStatus.succeeded:
+        detail = f" ({record.error.get('message')})" if record.error else ""
+        raise JobNotFinished(f"id: job {job_id!r} is {record.status.value}{detail}; its result can be read once "
+                             "its status is 'succeeded'")
+    uri = (record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], job_id)}/{RESULT_ARRAY}"
+    try:
+        array = storage.open_array(uri, mode="r")
+    except (FileNotFoundError, KeyError) as exc:
+        raise JobNotFinished(f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); "
+                             "results expire, submit the job again") from None
+    layout = layout_of(array)
+    start, stop = parse_rows(rows, layout.rows_total)
+    size_bytes = (stop - start) * layout.row_bytes
+    if size_bytes > settings.max_body_bytes:
+        per = max(1, settings.max_body_bytes // max(1, layout.row_bytes))
+        raise InvalidRequest(f"rows: {start}:{stop} is {size_bytes} bytes, over {settings.max_body_bytes}; ask "
+                             f"for at most {per} rows at a time, e.g. rows={start}:{min(stop, start + per)}",
+                             field="rows")
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, read_rows(array, layout, start, stop), allow_pickle=False)
+    headers = {"Content-Disposition": f'attachment; filename="{job_id}-rows-{start}-{stop}.npy"',
+               "X-Rows-Total": str(layout.rows_total), "X-Row-Shape": json.dumps(list(layout.row_shape))}
+    return Response(buf.getvalue(), media_type=NPY_MEDIA_TYPE, headers=headers)
+
+
+def layout_of(array: Any) -> ResultLayout:
+    """The ``ResultLayout`` from the array attributes ``shape``, ``iter_start``, ``iter_stop``
+    (written by the worker); without them rows are taken along axis 0."""
+    attrs = dict(array.attrs)
+    shape = tuple(int(d) for d in attrs.get("shape", array.shape))
+    default_stop = 1 if shape else 0
+    return ResultLayout(shape=shape, iter_start=int(attrs.get("iter_start", 0)),
+                        iter_stop=int(attrs.get("iter_stop", default_stop)), itemsize=array.dtype.itemsize)
+
+
+def parse_rows(rows: str | None, rows_total: int) -> tuple[int, int]:
+    """``"a:b"``, ``"a:"``, ``":b"`` or ``"a"`` -> ``(start, stop)`` within ``0:rows_total``."""
+    fix = f"use rows=a:b with 0 <= a < b <= {rows_total}"
+    if rows is None or rows.strip() in ("", ":"):
+        return 0, rows_total
+    m = re.fullmatch(r"\s*(\d*)\s*(:?)\s*(\d*)\s*", rows)
+    if not m or (not m.group(2) and (not m.group(1) or m.group(3))):
+        raise InvalidRequest(f"rows: {rows!r} is not a row range; {fix}", field="rows")
+    start = int(m.group(1) or 0)
+    stop = (int(m.group(3)) if m.group(3) else rows_total) if m.group(2) else start + 1
+    if start >= rows_total or stop > rows_total:
+        raise RangeNotSatisfiable(f"rows: {rows!r} is outside the result's rows 0:{rows_total}; {fix}",
+                                  field="rows")
+    if start >= stop:
+        raise InvalidRequest(f"rows: {rows!r} is empty; {fix}", field="rows")
+    return start, stop
+
+
+def _block_rows(layout: ResultLayout, block: Block, data: np.ndarray) -> np.ndarray:
+    """A block read in array axis order -> ``(n_rows,) + row_shape`` in row order (inverse of ``place``)."""
+    n_pre, n_it = layout.iter_start, len(block.shape)
+    order = list(range(n_pre, n_pre + n_it)) + list(range(n_pre)) + list(range(n_pre + n_it, data.ndim))
+    return np.transpose(data, order).reshape((math.prod(block.shape),) + layout.row_shape)
+
+
+def read_rows(array: Any, layout: ResultLayout, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of the result, reading only the storage blocks that hold them."""
+    parts = []
+    for block in layout.blocks():
+        if block.row_stop <= start or block.row_start >= stop:
+            continue
+        rows = _block_rows(layout, block, np.asarray(array[block.selection]))
+        parts.append(rows[max(start, block.row_start) - block.row_start:min(stop, block.row_stop) - block.row_start])
+    if not parts:
+        return np.empty((0,) + layout.row_shape, dtype=array.dtype)
+    return np.concatenate(parts)

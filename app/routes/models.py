@@ -1,0 +1,53 @@
+"""``GET /v1/models/signature``: a SavedModel's inputs, outputs and variables, read without TensorFlow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import SettingsDep, require_api_key
+from app.errors import ModelNotFound, SignatureMismatch, error_responses
+from app.security import require_saved_model, resolve_model_path
+from contracts.savedmodel import SavedModelError, SavedModelInfo, Signature, SignatureNotFound, read_saved_model
+
+router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_api_key)],
+                   responses=error_responses(401, 403, 404))
+
+
+def load_signature(path: str, signature: str, roots: list[str], *, path_field: str,
+                   signature_field: str) -> tuple[Path, SavedModelInfo, Signature]:
+    """Resolve ``path`` under ``roots`` and read ``signature``; errors name ``path_field``/``signature_field``.
+
+    Raises ``ModelPathNotAllowed`` (403), ``ModelNotFound`` or ``SignatureMismatch`` (422).
+    """
+    model_dir = require_saved_model(resolve_model_path(path, roots, field=path_field), field=path_field)
+    try:
+        info = read_saved_model(model_dir)
+    except SavedModelError as exc:
+        raise ModelNotFound(f"{path_field}: {exc}; export the model with tf.saved_model.save or "
+                            "keras Model.export", field=path_field) from None
+    try:
+        return model_dir, info, info.signature(signature)
+    except SignatureNotFound as exc:
+        raise SignatureMismatch(f"{signature_field}: {exc}", field=signature_field) from None
+
+
+@router.get("/signature")
+async def get_signature(
+    settings: SettingsDep,
+    path: Annotated[str, Query(description="SavedModel directory, absolute or relative to a model root")],
+    signature: Annotated[str, Query(description="signature name")] = "serving_default",
+) -> dict[str, Any]:
+    """Inputs and outputs of one signature (``{name: {dtype, shape}}``, ``None`` = unknown size) and
+    the model's variables, which ``wrt`` names as ``"variables/<name>"``."""
+    model_dir, info, _ = await run_in_threadpool(load_signature, path, signature, settings.model_roots,
+                                                 path_field="path", signature_field="signature")
+    return {
+        "path": str(model_dir),
+        "signature": signature,
+        "signatures": [s for s in info.signatures if not s.startswith("__")],
+        **info.describe(signature),
+    }

@@ -1,0 +1,126 @@
+"""``GET /v1/jobs/{id}/preview.png``: a downsampled heatmap of a succeeded job's Jacobian.
+
+The result is seen as a matrix, output elements down and ``wrt`` elements across (the row and column
+axes flattened in C order; a Hessian is ``wrt`` by ``wrt``), block-averaged to at most ``size`` cells
+per side while the Zarr array is read one storage chunk at a time (never whole). A batch Jacobian
+gives one panel per example, the first ``panels`` of them. Colours are diverging and centred on zero
+(blue negative, white zero, red positive), symmetric at the largest absolute block mean, with a
+colour bar. Rendered with numpy and a small PNG encoder (``app.heatmap``); cached per job.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
+
+from app.deps import StoreDep, require_api_key
+from app.errors import JobNotFinished, error_responses
+from app.heatmap import block_mean, placeholder, render
+from contracts import storage
+from contracts.jobspec import JobStatus
+from contracts.layout import RESULT_ARRAY, job_url
+
+PNG_MEDIA_TYPE = "image/png"
+CACHE_ENTRIES = 32
+CONCURRENT_RENDERS = 2  # each reads a whole result, chunk by chunk
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)],
+                   responses=error_responses(401))
+
+_cache: OrderedDict[tuple[Any, ...], tuple[bytes, dict[str, str]]] = OrderedDict()
+_cache_lock = threading.Lock()
+_render_slots = threading.BoundedSemaphore(CONCURRENT_RENDERS)
+
+
+def matrix_axes(kind: str | None, shape: tuple[int, ...], attrs: dict[str, Any]) -> tuple[bool, int]:
+    """``(batch, row_axes)``: whether axis 0 is the example axis, and how many axes after it are rows
+    (the output's; the rest are the ``wrt`` columns)."""
+    ndim = len(shape)
+    batch = kind == "batch_jacobian" and ndim >= 1
+    lead = 1 if batch else 0
+    wrt_shape = attrs.get("wrt_shape")
+    of_shape = attrs.get("of_shape")
+    if isinstance(wrt_shape, list):
+        n_col = len(wrt_shape) - lead
+    elif kind == "jacobian" and isinstance(of_shape, list):
+        n_col = ndim - len(of_shape)
+    else:
+        n_col = (ndim - lead) // 2
+    return batch, min(max(0, ndim - lead - n_col), ndim - lead)
+
+
+def _label(name: Any) -> str:
+    text = str(name or "?")
+    return text if len(text) <= 24 else "..." + text[-21:]
+
+
+def render_preview(array: Any, *, kind: str | None, panels: int, size: int) -> tuple[bytes, dict[str, str]]:
+    """PNG bytes of the heatmap of ``array`` and a few headers describing it."""
+    attrs = dict(array.attrs)
+    shape = tuple(int(d) for d in array.shape)
+    kind = str(attrs.get("kind") or kind or "jacobian")
+    batch, row_axes = matrix_axes(kind, shape, attrs)
+    of, wrt = _label(attrs.get("of")), _label(attrs.get("wrt"))
+    if 0 in shape:
+        return placeholder(f"EMPTY RESULT, SHAPE {list(shape)}"), {}
+    max_side = size if not batch or min(shape[0], panels) == 1 else max(16, size // 2)
+    ds = block_mean(array, row_axes=row_axes, batch=batch, max_panels=panels, max_side=max_side)
+    n_panels, height, width = ds.panels.shape
+    if kind == "hessian":
+        title = f"HESSIAN OF {of} WRT {wrt}"
+        axis_labels = (wrt, wrt)
+    else:
+        title = f"{kind.replace('_', ' ')}  D{of}/D{wrt}"
+        axis_labels = (of, wrt)
+    subtitle = f"SHAPE {list(shape)}: {ds.rows} X {ds.cols}"
+    if batch:
+        subtitle = f"SHAPE {list(shape)}: {ds.rows} X {ds.cols} PER EXAMPLE"
+        if ds.panels_total > n_panels:
+            subtitle += f", FIRST {n_panels} OF {ds.panels_total}"
+    if (height, width) != (ds.rows, ds.cols):
+        subtitle += f", MEANS OF {-(-ds.rows // height)}X{-(-ds.cols // width)} BLOCKS"
+    labels = [f"EXAMPLE {i}" for i in range(n_panels)] if batch else None
+    png = render(ds, title=title, subtitle=subtitle, panel_labels=labels, axis_labels=axis_labels)
+    headers = {"X-Preview-Matrix": f"{ds.rows}x{ds.cols}", "X-Preview-Cells": f"{height}x{width}",
+               "X-Preview-Panels": f"{n_panels}/{ds.panels_total}"}
+    return png, headers
+
+
+@router.get("/{job_id}/preview.png", response_class=Response,
+            responses={200: {"content": {PNG_MEDIA_TYPE: {}}, "description": "the heatmap as PNG"},
+                       404: {"description": "unknown job"}, 409: {"description": "the job has not succeeded"}})
+def get_preview(
+    job_id: str, store: StoreDep,
+    panels: Annotated[int, Query(ge=1, le=16, description="batch Jacobians: examples shown, one panel each")] = 4,
+    size: Annotated[int, Query(ge=16, le=1024, description="at most this many cells per side (block means)")] = 512,
+) -> Response:
+    """A heatmap of the Jacobian (409 until the job has succeeded)."""
+    record = store.get(job_id)
+    if record.status != JobStatus.succeeded:
+        detail = f" ({record.error.get('message')})" if record.error else ""
+        raise JobNotFinished(f"id: job {job_id!r} is {record.status.value}{detail}; its preview can be drawn once "
+                             "its status is 'succeeded'")
+    uri = (record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], job_id)}/{RESULT_ARRAY}"
+    key = (job_id, uri, record.finished_at, panels, size)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+    if hit is None:
+        try:
+            array = storage.open_array(uri, mode="r")
+        except (FileNotFoundError, KeyError) as exc:
+            raise JobNotFinished(f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); "
+                                 "results expire, submit the job again") from None
+        with _render_slots:
+            hit = render_preview(array, kind=record.spec.get("kind"), panels=panels, size=size)
+        with _cache_lock:
+            _cache[key] = hit
+            while len(_cache) > CACHE_ENTRIES:
+                _cache.popitem(last=False)
+    png, headers = hit
+    return Response(png, media_type=PNG_MEDIA_TYPE, headers={"Cache-Control": "private, max-age=3600", **headers})

@@ -1,0 +1,129 @@
+"""The job request (HTTP body) and the spec queued for workers; validated on both sides."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+                    "uint8", "uint16", "uint32", "uint64", "bool")
+DIFFERENTIABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+STORABLE_DTYPES = ("float16", "float32", "float64")
+
+
+class Kind(str, Enum):
+    jacobian = "jacobian"
+    batch_jacobian = "batch_jacobian"
+    hessian = "hessian"
+
+
+class Mode(str, Enum):
+    auto = "auto"
+    reverse = "reverse"
+    forward = "forward"
+
+
+class JobStatus(str, Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    canceled = "canceled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.canceled)
+
+
+class ModelRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1, description="SavedModel directory, under one of the allowed model roots")
+    signature: str = "serving_default"
+
+
+class TensorIn(BaseModel):
+    """A tensor given inline: ``data`` is nested lists or a flat list of ``prod(shape)`` numbers."""
+
+    model_config = ConfigDict(extra="forbid")
+    shape: list[int]
+    dtype: str = "float32"
+    data: Any
+
+    @model_validator(mode="after")
+    def _check(self) -> "TensorIn":
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"shape: dimensions must be >= 0, got {self.shape}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+        return self
+
+
+class JobOptions(BaseModel):
+    """Everything of a job but its input tensors (also the query parameters of an .npz upload)."""
+
+    model_config = ConfigDict(extra="forbid")
+    of: str | None = Field(None, description="output name; may be omitted when the signature has one output")
+    wrt: str | None = Field(None, description="input name or 'variables/<name>'; may be omitted when unambiguous")
+    kind: Kind = Kind.jacobian
+    mode: Mode = Mode.auto
+    reduce: str | None = Field(None, description="'sum' to take the Hessian of sum(of) for a non-scalar of")
+    check_independence: bool = False
+    memory_budget_bytes: int | None = Field(None, gt=0)
+    output_dtype: str | None = Field(None, description="store the result as this float dtype (default: of's dtype)")
+    shards: int | None = Field(None, ge=1, description="row-range shards, each its own rq job (null: chosen from the "
+                               "row count, the storage blocks and the live workers; see README 'Scale-out')")
+    chunk_rows: int | None = Field(None, ge=1, description="force this compute chunk (rows); default: planned from free memory")
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobOptions":
+        if self.reduce not in (None, "sum"):
+            raise ValueError(f"reduce: {self.reduce!r} is not supported; use 'sum' or omit it")
+        if self.output_dtype is not None and self.output_dtype not in STORABLE_DTYPES:
+            raise ValueError(f"output_dtype: {self.output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); "
+                             f"use one of {', '.join(STORABLE_DTYPES)}")
+        return self
+
+
+class JobCreate(JobOptions):
+    """Body of ``POST /v1/jobs`` (JSON form)."""
+
+    model: ModelRef
+    inputs: dict[str, TensorIn] | None = None
+    inputs_uri: str | None = Field(None, description="an .npz in storage (local path, file:// or s3://)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "JobCreate":
+        if (self.inputs is None) == (self.inputs_uri is None):
+            raise ValueError("inputs: give exactly one of 'inputs' (inline tensors) or 'inputs_uri' (an .npz)")
+        return self
+
+
+class QueuedJob(JobOptions):
+    """What the API puts on the queue (JSON); inputs always travel as an .npz in storage."""
+
+    id: str
+    model: ModelRef
+    inputs_uri: str
+    results_url: str
+    rows: tuple[int, int] | None = Field(None, description="row range of a shard; None means all rows")
+    shard: int | None = Field(None, ge=0, description="index of this shard (0-based) when the job is split; "
+                              "None for the job itself (which plans the shards) and its finalizer")
+    strategy: str | None = Field(None, description="chunk strategy every shard uses (e.g. 'tiled+xla'), pinned by "
+                                 "the job's planner so that all rows are computed alike; None: a timed trial picks")
+
+    @property
+    def rq_id(self) -> str:
+        """The rq job id: the job id, or ``{id}-s{shard}`` for a shard."""
+        return self.id if self.shard is None else shard_job_id(self.id, self.shard)
+
+
+def shard_job_id(job_id: str, index: int) -> str:
+    """rq job id of shard ``index`` of ``job_id``."""
+    return f"{job_id}-s{index}"
+
+
+def finalizer_job_id(job_id: str) -> str:
+    """rq job id of the finalizer of a sharded job."""
+    return f"{job_id}-final"

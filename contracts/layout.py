@@ -1,0 +1,106 @@
+"""Where results live and how Jacobian rows map onto a Zarr array in row-block storage chunks.
+
+A job iterates over *rows*: output elements in reverse mode, input elements (columns) in forward
+mode, output features for batch Jacobians. Each computed row has ``row_shape``; the array holds
+all of them along ``iter_axes`` (a contiguous run of array axes). A storage block is a run of
+consecutive rows that is one rectangular Zarr chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+RESULT_ARRAY = "jacobian.zarr"
+MANIFEST = "manifest.json"
+INPUTS = "inputs.npz"
+COMMITTED_DIR = "committed"
+DEFAULT_BLOCK_BYTES = 32 * 1024 * 1024
+
+
+def job_url(results_url: str, job_id: str) -> str:
+    return f"{results_url.rstrip('/')}/{job_id}"
+
+
+@dataclass(frozen=True)
+class Block:
+    index: int
+    row_start: int
+    row_stop: int
+    selection: tuple[slice, ...]
+    shape: tuple[int, ...]  # the block's extent along the iterated axes
+
+
+@dataclass(frozen=True)
+class ResultLayout:
+    """Array ``shape``; rows run over ``shape[iter_start:iter_stop]`` in C order."""
+
+    shape: tuple[int, ...]
+    iter_start: int
+    iter_stop: int
+    itemsize: int = 4
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+
+    @property
+    def iter_shape(self) -> tuple[int, ...]:
+        return self.shape[self.iter_start:self.iter_stop]
+
+    @property
+    def rows_total(self) -> int:
+        return math.prod(self.iter_shape)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one computed row: the non-iterated axes in array order."""
+        return self.shape[:self.iter_start] + self.shape[self.iter_stop:]
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * self.itemsize
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Zarr chunk shape: whole rows, about ``block_bytes`` per chunk, at least one row."""
+        target_rows = max(1, self.block_bytes // max(1, self.row_bytes))
+        it = list(self.iter_shape)
+        chunk_it = [1] * len(it)
+        trailing = 1
+        for axis in range(len(it) - 1, -1, -1):
+            if trailing * it[axis] <= target_rows:
+                chunk_it[axis] = it[axis]
+                trailing *= it[axis]
+            else:
+                chunk_it[axis] = max(1, target_rows // trailing)
+                break
+        full = [max(1, d) for d in self.shape]
+        return tuple(full[:self.iter_start] + chunk_it + full[self.iter_stop:])
+
+    def blocks(self) -> list[Block]:
+        """Storage blocks in row order; each is one Zarr chunk and a contiguous row range."""
+        it = self.iter_shape
+        if not it:
+            return [Block(0, 0, 1, tuple(slice(0, d) for d in self.shape), ())]
+        cit = self.chunks[self.iter_start:self.iter_stop]
+        grid = [range(0, d, c) for d, c in zip(it, cit)]
+        out: list[Block] = []
+        for corner in np.ndindex(*[len(g) for g in grid]):
+            starts = [grid[a][i] for a, i in enumerate(corner)]
+            stops = [min(s + c, d) for s, c, d in zip(starts, cit, it)]
+            row_start = int(np.ravel_multi_index(starts, it)) if it else 0
+            shape = tuple(b - a for a, b in zip(starts, stops))
+            sel = (tuple(slice(0, d) for d in self.shape[:self.iter_start])
+                   + tuple(slice(a, b) for a, b in zip(starts, stops))
+                   + tuple(slice(0, d) for d in self.shape[self.iter_stop:]))
+            out.append(Block(len(out), row_start, row_start + math.prod(shape), sel, shape))
+        return out
+
+    def place(self, block: Block, rows: np.ndarray) -> np.ndarray:
+        """Turn ``rows`` of shape ``(n,) + row_shape`` for ``block`` into the array's axis order."""
+        pre = self.shape[:self.iter_start]
+        post = self.shape[self.iter_stop:]
+        data = rows.reshape(block.shape + pre + post)
+        n_it, n_pre = len(block.shape), len(pre)
+        order = list(range(n_it, n_it + n_pre)) + list(range(n_it)) + list(range(n_it + n_pre, data.ndim))
+        return np.transpose(data, order)

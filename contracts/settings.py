@@ -1,0 +1,58 @@
+"""One settings object for API, worker and CLI, read from ``JACOBIAN_*`` environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing import Annotated
+
+_DEFAULT_HOME = Path.cwd() / "var"
+
+
+def _split_csv(value: object) -> object:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    """Every knob of the service; units are in the names."""
+
+    model_config = SettingsConfigDict(env_prefix="JACOBIAN_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    results_url: str = str(_DEFAULT_HOME / "results")
+    model_roots: Annotated[list[str], NoDecode] = Field(default_factory=lambda: [str(_DEFAULT_HOME / "models")])
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    memory_budget_bytes: int | None = None
+    queue_name: str = "jacobian"
+    max_body_bytes: int = 256 * 1024 * 1024
+    max_input_elements: int = 64 * 1024 * 1024
+    max_result_bytes: int = 1 << 40
+    job_timeout_s: int = 24 * 3600
+    result_ttl_s: int = 7 * 24 * 3600
+    job_retries: int = 2
+    worker_heartbeat_s: int = Field(10, ge=1, description="worker heartbeat interval while a job runs")
+    worker_heartbeat_ttl_factor: int = Field(3, ge=2, description="a job's heartbeat expires after this many "
+                                             "missed intervals: its worker is then taken for dead")
+    worker_maintenance_s: int = Field(15, ge=1, description="how often an idle worker cleans rq's registries "
+                                      "(requeues jobs of dead workers, enqueues due retries)")
+    worker_metrics_port: int | None = None
+    gpu: str | None = Field(None, description="GPU index this worker pins (sets CUDA_VISIBLE_DEVICES)")
+    block_bytes: int | None = Field(None, description="target bytes per Zarr storage chunk (default 32 MiB)")
+    model_cache_size: int = 4
+    api_url: str = "http://127.0.0.1:8000"
+
+    @field_validator("model_roots", "api_keys", mode="before")
+    @classmethod
+    def _csv(cls, value: object) -> object:
+        return _split_csv(value)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (cached; tests call ``get_settings.cache_clear()``)."""
+    return Settings()

@@ -1,0 +1,182 @@
+"""URL-addressed storage for API, worker and CLI: local paths, ``file://`` and ``s3://bucket/prefix``.
+
+S3 credentials and endpoint come from the standard ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_REGION`` and ``AWS_ENDPOINT_URL`` variables (the endpoint is passed to
+s3fs explicitly). Filesystem objects are created on first use and cached per set of credentials;
+nothing touches the network at import time. Every function may raise ``OSError`` (``FileNotFoundError``
+where a read finds nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import zarr
+    from zarr.abc.store import Store
+
+_S3_SCHEMES = ("s3://", "s3a://")
+
+
+def is_remote(url: str) -> bool:
+    """True for object-storage URLs (``s3://``); False for local paths and ``file://``."""
+    return url.startswith(_S3_SCHEMES)
+
+
+def join(url: str, *parts: str) -> str:
+    """``url`` and ``parts`` joined with ``/`` (no normalisation of the parts)."""
+    out = url.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out
+
+
+def normalize(url: str) -> str:
+    """Local paths made absolute (``file://`` dropped); ``s3://`` URLs returned unchanged."""
+    if is_remote(url):
+        return url.rstrip("/")
+    return str(_local_path(url))
+
+
+def _local_path(url: str) -> Path:
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    return Path(url).expanduser().resolve()
+
+
+def _s3_path(url: str) -> str:
+    """``bucket/key`` of an ``s3://`` URL."""
+    return url.split("://", 1)[1].rstrip("/")
+
+
+def s3_options_from_env() -> dict[str, Any]:
+    """fsspec/s3fs options from the standard ``AWS_*`` variables (key, secret, token, endpoint, region)."""
+    env = os.environ
+    options: dict[str, Any] = {}
+    for option, name in (("key", "AWS_ACCESS_KEY_ID"), ("secret", "AWS_SECRET_ACCESS_KEY"),
+                         ("token", "AWS_SESSION_TOKEN"), ("endpoint_url", "AWS_ENDPOINT_URL")):
+        if env.get(name):
+            options[option] = env[name]
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        options["client_kwargs"] = {"region_name": region}
+    return options
+
+
+def _s3_options() -> tuple[tuple[str, Any], ...]:
+    """``s3_options_from_env()`` without listings cache, hashable (for the filesystem cache key)."""
+    opts: dict[str, Any] = {"use_listings_cache": False, **s3_options_from_env()}
+    if "client_kwargs" in opts:
+        opts["client_kwargs"] = tuple(sorted(opts["client_kwargs"].items()))
+    return tuple(sorted(opts.items()))
+
+
+def _expand(options: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    opts = dict(options)
+    if "client_kwargs" in opts:
+        opts["client_kwargs"] = dict(opts["client_kwargs"])
+    return opts
+
+
+@lru_cache(maxsize=8)
+def _s3_fs(options: tuple[tuple[str, Any], ...]) -> Any:
+    """A synchronous s3fs filesystem for these options (cached)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(**_expand(options))
+
+
+@lru_cache(maxsize=8)
+def _s3_async_fs(options: tuple[tuple[str, Any], ...]) -> Any:
+    """An asynchronous s3fs filesystem for zarr's event loop (cached)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(asynchronous=True, **_expand(options))
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write ``data`` to ``url``, replacing what is there; local writes are atomic (rename)."""
+    if is_remote(url):
+        _s3_fs(_s3_options()).pipe_file(_s3_path(url), data)
+        return
+    path = _local_path(url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_bytes(url: str) -> bytes:
+    """The whole object at ``url``; raises ``FileNotFoundError`` when absent."""
+    if is_remote(url):
+        return bytes(_s3_fs(_s3_options()).cat_file(_s3_path(url)))
+    return _local_path(url).read_bytes()
+
+
+def exists(url: str) -> bool:
+    """True when ``url`` is an object/file or a non-empty prefix/directory."""
+    if is_remote(url):
+        return bool(_s3_fs(_s3_options()).exists(_s3_path(url)))
+    return _local_path(url).exists()
+
+
+def delete_prefix(url: str) -> None:
+    """Remove ``url`` and everything under it; nothing there is not an error."""
+    if is_remote(url):
+        fs = _s3_fs(_s3_options())
+        try:
+            fs.rm(_s3_path(url), recursive=True)
+        except FileNotFoundError:
+            pass
+        return
+    path = _local_path(url)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=False)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def list_names(url: str) -> list[str]:
+    """Sorted names directly under ``url`` (files and sub-prefixes); ``[]`` when nothing is there."""
+    if is_remote(url):
+        fs = _s3_fs(_s3_options())
+        try:
+            entries = fs.ls(_s3_path(url), detail=False)
+        except FileNotFoundError:
+            return []
+        prefix = _s3_path(url)
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix})
+    path = _local_path(url)
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if not (p.name.startswith(".") and p.name.endswith(".tmp")))
+
+
+def zarr_store(url: str, *, read_only: bool) -> Store:
+    """A zarr v3 store rooted at ``url``: ``LocalStore`` for paths, ``FsspecStore`` for ``s3://``."""
+    from zarr.storage import FsspecStore, LocalStore
+
+    if is_remote(url):
+        fs = _s3_async_fs(_s3_options())
+        return FsspecStore(fs, path=_s3_path(url), read_only=read_only)
+    path = _local_path(url)
+    if not read_only:
+        path.mkdir(parents=True, exist_ok=True)
+    return LocalStore(path, read_only=read_only)
+
+
+def open_array(url: str, mode: str = "r") -> zarr.Array:
+    """The zarr v3 array at ``url`` (``mode`` as in ``zarr.open_array``: "r", "r+", "a", "w")."""
+    import zarr
+
+    return zarr.open_array(store=zarr_store(url, read_only=mode == "r"), mode=mode)  # type: ignore[arg-type]

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The one test command: set up (scripts/setup.sh), then every suite (unit, integration, e2e).
+#
+#   bash scripts/test.sh                      # all of tests/
+#   bash scripts/test.sh -k signature -x      # options go to pytest, still over all of tests/
+#   bash scripts/test.sh tests/unit           # paths given replace the default tests/
+#
+# pytest's exit code is passed through, except 5 (no tests collected), which fails: a run that
+# collected nothing must not look green. JACOBIAN_SKIP_SETUP=1 skips scripts/setup.sh.
+# The set-up installs Debian's `prometheus` (prometheus and promtool) when missing: the metrics tests
+# scrape the service with a real Prometheus. JACOBIAN_SETUP_PROMETHEUS=0 leaves it out (those tests
+# then fail and say so). Likewise Debian's `chromium` for the /ui browser test (JACOBIAN_SETUP_CHROMIUM=0
+# leaves it out; that test then fails and says so).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+if [[ "${JACOBIAN_SKIP_SETUP:-0}" == 1 ]]; then
+  echo "[test] JACOBIAN_SKIP_SETUP=1: not running scripts/setup.sh"
+else
+  JACOBIAN_SETUP_PROMETHEUS="${JACOBIAN_SETUP_PROMETHEUS:-1}" \
+    JACOBIAN_SETUP_CHROMIUM="${JACOBIAN_SETUP_CHROMIUM:-1}" bash scripts/setup.sh
+fi
+
+PY="$ROOT/.venv/bin/python"
+[[ -x "$PY" ]] || { echo "[test] ERROR: $PY missing: run bash scripts/setup.sh" >&2; exit 1; }
+
+# Run all of tests/ unless a path (or node id) is among the arguments.
+targets=(tests)
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+    targets=()
+    break
+  fi
+done
+
+log="$(mktemp "${TMPDIR:-/tmp}/jacobian-pytest.XXXXXX")"
+trap 'rm -f "$log"' EXIT
+
+echo "[test] $PY -m pytest ${targets[*]:+${targets[*]} }-q -p no:cacheprovider -ra $*"
+set +e
+"$PY" -m pytest "${targets[@]}" -q -p no:cacheprovider -ra "$@" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+
+# One closing line in the plain 'N passed, N failed, N skipped' form (errors count as failed).
+counts="$("$PY" - "$log" <<'PY'
+import re
+import sys
+
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+final = next((l for l in reversed(lines) if re.search(r"\b(passed|failed|errors?|skipped|no tests ran)\b.* in [0-9.]+s", l)), "")
+n = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)", final)}
+print(n.get("passed", 0) + n.get("xpassed", 0), n.get("failed", 0) + n.get("error", 0) + n.get("errors", 0),
+      n.get("skipped", 0) + n.get("xfailed", 0))
+PY
+)" || counts="0 0 0"
+read -r passed failed skipped <<<"$counts"
+
+case "$rc" in
+  0) verdict="OK" ;;
+  5) verdict="FAILED: pytest collected no tests (exit 5); a run that collected nothing is not a pass"; rc=1 ;;
+  *) verdict="FAILED: pytest exit code $rc" ;;
+esac
+[[ "$rc" -eq 0 ]] || echo "[test] $verdict" >&2
+echo "summary: $passed passed, $failed failed, $skipped skipped"
+exit "$rc"

@@ -1,0 +1,78 @@
+"""``jacobian compute`` as a subprocess: Zarr result and manifest on disk, exit 2 on a bad request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from tests import models
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def jacobian_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("jacobian", path=str(Path(sys.executable).parent))
+    cmd = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run(cmd + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def multi_io_model(tmp_path_factory) -> Path:
+    return models.multi_io(tmp_path_factory.mktemp("models") / "multi_io")
+
+
+def test_compute_writes_zarr_equal_to_tape_jacobian(multi_io_model: Path, tmp_path: Path) -> None:
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(2, 4)).astype(np.float32)
+    b = rng.normal(size=(2, 3)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", a=a, b=b)
+    out = tmp_path / "results"
+    proc = jacobian_cli("compute", "--model", str(multi_io_model), "--input", str(tmp_path / "in.npz"),
+                        "--of", "v", "--wrt", "a", "--chunk-rows", "4", "--job-id", "cli1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    uri = proc.stdout.strip()
+    assert uri == str(out / "cli1" / "jacobian.zarr")
+    assert "rows 6/6" in proc.stderr  # progress on stderr
+
+    loaded = tf.saved_model.load(str(multi_io_model))
+    fn = loaded.signatures["serving_default"]
+    at, bt = tf.constant(a), tf.constant(b)
+    with tf.GradientTape() as tape:
+        tape.watch(at)
+        v = fn(a=at, b=bt)["v"]
+    expected = tape.jacobian(v, at).numpy()
+    got = zarr.open_array(uri, mode="r")[:]
+    assert got.shape == expected.shape == (2, 3, 2, 4)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    manifest = json.loads((out / "cli1" / "manifest.json").read_text())
+    assert manifest["id"] == "cli1" and manifest["uri"] == uri and manifest["shape"] == [2, 3, 2, 4]
+    assert manifest["of"] == "v" and manifest["wrt"] == "a" and manifest["plan"]["chunk_rows"] == 4
+
+
+def test_bad_wrt_exits_2_with_a_message_naming_wrt(multi_io_model: Path, tmp_path: Path) -> None:
+    np.savez(tmp_path / "in.npz", a=np.zeros((1, 4), np.float32), b=np.zeros((1, 3), np.float32))
+    proc = jacobian_cli("compute", "--model", str(multi_io_model), "--input", str(tmp_path / "in.npz"),
+                        "--of", "u", "--wrt", "nope", "--out", str(tmp_path / "results"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout == ""
+    assert "wrt" in proc.stderr and "nope" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_input_file_exits_2(multi_io_model: Path, tmp_path: Path) -> None:
+    proc = jacobian_cli("compute", "--model", str(multi_io_model), "--input", str(tmp_path / "none.npz"),
+                        "--out", str(tmp_path / "results"))
+    assert proc.returncode == 2 and "--input" in proc.stderr and "Traceback" not in proc.stderr

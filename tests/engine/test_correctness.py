@@ -1,0 +1,280 @@
+"""Every kind, mode and strategy equals TensorFlow's own answer on a spread of models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import rand
+from tests.engine.reference import finite_differences, tape_hessian, tape_jacobian
+from worker.engine import compute_in_memory
+
+STRATEGIES = ["vectorized", "vectorized+xla", "tiled", "loop", "eager", None]
+
+# name, inputs, of, wrt, batch-capable
+CASES = {
+    "mlp": (lambda: {"x": rand((3, 8))}, "y", "x"),
+    "cnn": (lambda: {"image": rand((2, 8, 8, 3))}, "logits", "image"),
+    "multi_io_u_a": (lambda: {"a": rand((2, 4)), "b": rand((2, 3), seed=1)}, "u", "a"),
+    "multi_io_v_b": (lambda: {"a": rand((2, 4)), "b": rand((2, 3), seed=1)}, "v", "b"),
+    "int_input": (lambda: {"ids": np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32), "x": rand((2, 4))}, "y", "x"),
+    "rnn": (lambda: {"seq": rand((2, 4, 3))}, "h", "seq"),
+    "float64": (lambda: {"x": rand((3, 5), "float64")}, "y", "x"),
+}
+MODEL_OF = {"multi_io_u_a": "multi_io", "multi_io_v_b": "multi_io"}
+
+
+def _case(name):
+    make, of, wrt = CASES[name]
+    return MODEL_OF.get(name, name), make(), of, wrt
+
+
+def _assert_close(got, want, dtype="float32"):
+    tol = 1e-9 if dtype == "float64" else 2e-5
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale)
+
+
+# TensorFlow's forward mode breaks on int_input: test_forward_mode_failure_inside_tensorflow_is_explained
+JACOBIAN_CASES = [(case, mode) for case in CASES for mode in ("reverse", "forward")
+                  if not (case == "int_input" and mode == "forward")]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case,mode", JACOBIAN_CASES)
+def test_jacobian_matches_tape(loaded, case, mode, strategy):
+    name, inputs, of, wrt = _case(case)
+    model = loaded(name)
+    want = tape_jacobian(model, inputs, of, wrt)
+    got, report = compute_in_memory(model, inputs, of=of, wrt=wrt, mode=mode, strategy=strategy, chunk_rows=3)
+    assert got.shape == want.shape
+    _assert_close(got, want, str(want.dtype))
+    if strategy is not None:
+        assert report.plan["strategy"] == strategy
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case", ["mlp", "cnn", "multi_io_u_a", "rnn", "float64", "int_input"])
+def test_batch_jacobian_matches_tape(loaded, case, mode, strategy):
+    name, inputs, of, wrt = _case(case)
+    model = loaded(name)
+    if case == "int_input" and mode == "forward":
+        mode = "auto"  # TensorFlow's forward mode breaks on this model; auto must pick reverse
+    want = tape_jacobian(model, inputs, of, wrt, batch=True)
+    got, report = compute_in_memory(model, inputs, of=of, wrt=wrt, kind="batch_jacobian", mode=mode,
+                                    strategy=strategy, chunk_rows=3, check_independence=True)
+    assert got.shape == want.shape
+    _assert_close(got, want, str(want.dtype))
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+@pytest.mark.parametrize("strategy", ["vectorized", "loop", "eager", None])
+def test_hessian_of_scalar_matches_tape(loaded, mode, strategy):
+    model = loaded("float64")
+    inputs = {"x": rand((2, 5), "float64")}
+    want = tape_hessian(model, inputs, "loss", "x")
+    got, _ = compute_in_memory(model, inputs, of="loss", kind="hessian", mode=mode, strategy=strategy, chunk_rows=4)
+    assert got.shape == (2, 5, 2, 5)
+    _assert_close(got, want, "float64")
+    np.testing.assert_allclose(got.reshape(10, 10), got.reshape(10, 10).T, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_hessian_with_reduce_sum(loaded, mode):
+    model = loaded("mlp")
+    inputs = {"x": rand((2, 8))}
+    want = tape_hessian(model, inputs, "y", "x", reduce="sum")
+    got, _ = compute_in_memory(model, inputs, of="y", kind="hessian", reduce="sum", mode=mode, chunk_rows=5)
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "auto"])
+@pytest.mark.parametrize("strategy", ["vectorized", "loop", None])
+def test_parameter_jacobian(loaded, mode, strategy):
+    model = loaded("mlp")
+    inputs = {"x": rand((3, 8))}
+    want = tape_jacobian(model, inputs, "y", "variables/d0/kernel")
+    got, _ = compute_in_memory(model, inputs, wrt="variables/d0/kernel", mode=mode, strategy=strategy, chunk_rows=5)
+    assert got.shape == (3, 4, 8, 16)
+    _assert_close(got, want)
+
+
+def test_parameter_jacobian_by_unique_suffix_and_embedding(loaded):
+    model = loaded("int_input")
+    inputs = {"ids": np.array([[1, 2, 3, 4]], np.int32), "x": rand((1, 4))}
+    want = tape_jacobian(model, inputs, "y", "variables/emb/embeddings")
+    got, _ = compute_in_memory(model, inputs, wrt="variables/embeddings", chunk_rows=2)
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "auto"])
+def test_control_flow_module(loaded, mode):
+    model = loaded("control_flow")
+    for x in (np.array([0.3, -0.2, 0.5], np.float32), np.array([-0.3, -0.2, 0.1], np.float32)):  # both cond branches
+        want = tape_jacobian(model, {"x": x}, "y", "x")
+        got, _ = compute_in_memory(model, {"x": x}, mode=mode, chunk_rows=2)
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["jacobian", "batch_jacobian"])
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_float64_matches_finite_differences(loaded, kind, mode):
+    model = loaded("float64")
+    inputs = {"x": rand((3, 5), "float64")}
+    fd = finite_differences(model, inputs, "y", "x")
+    got, _ = compute_in_memory(model, inputs, kind=kind, of="y", mode=mode, chunk_rows=3)
+    if kind == "batch_jacobian":
+        fd = np.stack([fd[b, :, b, :] for b in range(3)])
+    np.testing.assert_allclose(got, fd, atol=1e-6, rtol=1e-6)
+
+
+def test_hessian_matches_finite_differences_of_gradient(loaded):
+    import tensorflow as tf
+
+    model = loaded("float64")
+    x0 = rand((1, 5), "float64")
+    got, _ = compute_in_memory(model, {"x": x0}, of="loss", kind="hessian", chunk_rows=3)
+
+    def grad(x):
+        xt = tf.constant(x)
+        with tf.GradientTape() as t:
+            t.watch(xt)
+            s = model.fn(x=xt)["loss"]
+        return t.gradient(s, xt).numpy()
+
+    eps = 1e-6
+    cols = []
+    for i in range(5):
+        d = np.zeros_like(x0)
+        d.flat[i] = eps
+        cols.append((grad(x0 + d) - grad(x0 - d)) / (2 * eps))
+    fd = np.stack(cols, axis=-1).reshape(1, 5, 1, 5)
+    np.testing.assert_allclose(got, fd, atol=1e-6)
+
+
+def test_model_tensorflow_cannot_differentiate_gives_a_message(loaded):
+    """A loop body that reads a variable: TensorFlow fails with 'variable without handle data'."""
+    from worker.engine import NotDifferentiable
+
+    model = loaded("variable_in_loop")
+    inputs = {"x": rand((2, 2))}
+    with pytest.raises(NotDifferentiable) as info:
+        compute_in_memory(model, inputs, chunk_rows=3)
+    message = str(info.value)
+    assert info.value.field == "wrt" and message.startswith("wrt: TensorFlow cannot differentiate 'y'")
+    assert "variable without handle data" in message and "Traceback" not in message and len(message) < 800
+
+
+def test_op_without_gradient_gives_a_message(loaded):
+    from worker.engine import NotDifferentiable, build_problem
+
+    with pytest.raises(NotDifferentiable, match=r"wrt: TensorFlow cannot differentiate 'y'.*LookupError.*Lu"):
+        build_problem(loaded("no_gradient"), {"x": rand((2, 3, 3))})
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 5, 7, 64])
+@pytest.mark.parametrize("strategy", ["vectorized", "tiled"])
+def test_chunked_equals_unchunked(loaded, chunk_rows, strategy):
+    model = loaded("cnn")
+    inputs = {"image": rand((2, 8, 8, 3))}  # 10 output rows: most chunk sizes do not divide it
+    whole, _ = compute_in_memory(model, inputs, strategy=strategy, chunk_rows=16)
+    chunked, _ = compute_in_memory(model, inputs, strategy=strategy, chunk_rows=chunk_rows)
+    np.testing.assert_allclose(chunked, whole, atol=1e-6)
+
+
+def test_same_chunking_is_bitwise_reproducible(loaded):
+    model = loaded("cnn")
+    inputs = {"image": rand((2, 8, 8, 3))}
+    a, _ = compute_in_memory(model, inputs, strategy="vectorized", chunk_rows=4)
+    b, _ = compute_in_memory(model, inputs, strategy="vectorized", chunk_rows=4)
+    assert a.tobytes() == b.tobytes()
+
+
+def test_row_ranges_cover_only_what_is_asked(loaded):
+    from worker.engine import build_problem, run_problem
+
+    model = loaded("mlp")
+    inputs = {"x": rand((3, 8))}
+    want = tape_jacobian(model, inputs, "y", "x").reshape(12, 3, 8)
+    problem = build_problem(model, inputs)
+    seen = {}
+    run_problem(problem, ranges=[(1, 4), (9, 12)], chunk_rows=2, on_chunk=lambda s, r: seen.update({s: r}))
+    rows = sorted(seen)
+    assert rows == [1, 3, 9, 11]
+    for s in rows:
+        _assert_close(seen[s], want[s:s + len(seen[s])])
+
+
+def test_compiled_once_per_chunk_shape_across_jobs(loaded):
+    model = loaded("mlp")
+    for seed in range(3):  # three jobs, new input values, same shapes
+        compute_in_memory(model, {"x": rand((3, 8), seed=seed)}, strategy="vectorized", chunk_rows=5)
+    fns = [fn for key, fn in model.compiled.items() if key[1] == "vectorized" and key[3] == 5 and key[2] is False]
+    assert fns and all(fn.experimental_get_tracing_count() == 1 for fn in fns)
+
+
+def test_output_dtype_is_applied(loaded):
+    model = loaded("mlp")
+    got, _ = compute_in_memory(model, {"x": rand((3, 8))}, output_dtype="float16", chunk_rows=4)
+    assert got.dtype == np.float16
+
+
+def test_forward_mode_failure_inside_tensorflow_is_explained(loaded):
+    """Forward mode through an integer gather breaks inside TensorFlow; auto falls back to reverse."""
+    from worker.engine import NotDifferentiable
+
+    model = loaded("int_input")
+    inputs = {"ids": np.array([[1, 2, 3, 4]], np.int32), "x": rand((1, 4))}
+    with pytest.raises(NotDifferentiable, match="mode: TensorFlow's forward mode fails") as info:
+        compute_in_memory(model, inputs, mode="forward", chunk_rows=2)
+    assert info.value.field == "mode" and "use mode 'reverse'" in str(info.value)
+    got, report = compute_in_memory(model, inputs, of="y", wrt="x", kind="batch_jacobian", chunk_rows=2)
+    assert report.plan["mode"] == "reverse"
+
+
+def test_forward_mode_wrt_variable_is_refused_not_silently_zero(loaded):
+    """TensorFlow's JVP w.r.t. a variable captured by a loaded function is silently zero."""
+    from worker.engine import NotDifferentiable
+
+    model = loaded("mlp")
+    inputs = {"x": rand((3, 8))}
+    try:
+        got, report = compute_in_memory(model, inputs, wrt="variables/d0/kernel", mode="forward", chunk_rows=7)
+    except NotDifferentiable as err:
+        assert str(err).startswith("mode: TensorFlow's forward mode fails")
+        return
+    assert "disagrees with the eager reference row" in report.trial.failures.get("vectorized", "")
+    _assert_close(got, tape_jacobian(model, inputs, "y", "variables/d0/kernel"))
+
+
+def test_forward_mode_through_while_loop_of_loaded_model_is_explained(loaded):
+    """TensorFlow's forward mode cannot pass the while_loop of a loaded SavedModel: a clear error."""
+    from worker.engine import NotDifferentiable
+
+    with pytest.raises(NotDifferentiable, match="mode: TensorFlow's forward mode fails.*use mode 'reverse'"):
+        compute_in_memory(loaded("control_flow"), {"x": np.array([0.3, -0.2, 0.5], np.float32)}, mode="forward")
+
+
+def test_no_retracing_warnings_across_jobs_and_chunk_sizes(loaded, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="tensorflow")
+    model = loaded("cnn")
+    for seed in range(4):
+        for chunk in (3, 4, 7):
+            compute_in_memory(model, {"image": rand((2, 8, 8, 3), seed=seed)}, chunk_rows=chunk)
+    assert not [r for r in caplog.records if "retracing" in r.getMessage()]
+
+
+def test_depthwise_conv_vectorizes_with_the_pfor_patch(loaded):
+    """Once a tiled gradient of a loaded MobileNet was traced, TensorFlow's pfor cannot convert its
+    depthwise-conv input gradients ('filter ... expected to be not loop invariant');
+    worker.engine.pfor_patches can. Without the patch this run falls back to a slower strategy."""
+    model = loaded("depthwise")
+    inputs = {"image": rand((1, 32, 32, 3))}
+    want = tape_jacobian(model, inputs, "out", "image", use_pfor=False)
+    compute_in_memory(model, inputs, strategy="tiled", chunk_rows=3)
+    got, report = compute_in_memory(model, inputs, strategy="vectorized", chunk_rows=3)
+    assert report.plan["strategy"] == "vectorized" and not report.trial.failures, report.trial.failures
+    _assert_close(got, want)

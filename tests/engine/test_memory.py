@@ -1,0 +1,112 @@
+"""Memory: the byte budget bounds the measured peak, the peak is flat in the row count, and
+out-of-memory chunks are halved until they fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import models
+from tests.engine.conftest import rand
+from tests.engine.reference import tape_jacobian
+from worker.engine import TFMemoryProbe, build_problem, compute_in_memory, load_model, run_problem
+
+
+@pytest.fixture(scope="module")
+def wide_mlp(tmp_path_factory):
+    return load_model(str(models.mlp(tmp_path_factory.mktemp("wide") / "mlp", sizes=(256, 512, 512, 256))))
+
+
+class InjectedProbe(TFMemoryProbe):
+    """The real probe, with an injected free-memory reading and OOMs above ``oom_above_rows``."""
+
+    def __init__(self, *, free_bytes: int | None = None, oom_above_rows: int | None = None):
+        super().__init__("CPU:0")
+        self._free = free_bytes
+        self.oom_above_rows = oom_above_rows
+        self.chunks: list[int] = []
+
+    def free_bytes(self) -> int:
+        return self._free if self._free is not None else super().free_bytes()
+
+    def before_chunk(self, rows: int) -> None:
+        import tensorflow as tf
+
+        self.chunks.append(rows)
+        if self.oom_above_rows is not None and rows > self.oom_above_rows:
+            raise tf.errors.ResourceExhaustedError(None, None, f"injected OOM at {rows} rows")
+
+
+def _run(model, inputs, rows, **kw):
+    """Rows ``[0, rows)``, planned by memory alone (no timing-dependent sweet spot)."""
+    problem = build_problem(model, inputs)
+    kw.setdefault("memory_budget_bytes", 256 << 20)
+    return run_problem(problem, ranges=[(0, rows)], strategy="vectorized", throughput_cap=False, **kw)
+
+
+@pytest.mark.parametrize("budget_mb", [24, 64])
+def test_peak_stays_within_the_byte_budget(wide_mlp, budget_mb):
+    inputs = {"x": rand((64, 256))}
+    budget = budget_mb << 20
+    report = _run(wide_mlp, inputs, 2048, memory_budget_bytes=budget)
+    assert report.peak_bytes <= budget, (report.peak_bytes, budget, report.plan)
+
+
+def test_a_tighter_budget_gives_a_smaller_chunk(wide_mlp):
+    inputs = {"x": rand((64, 256))}
+    tight = _run(wide_mlp, inputs, 512, memory_budget_bytes=12 << 20)
+    loose = _run(wide_mlp, inputs, 512, memory_budget_bytes=64 << 20)
+    assert tight.plan["chunk_rows"] < loose.plan["chunk_rows"], (tight.plan, loose.plan)
+    assert tight.peak_bytes <= 12 << 20, tight.peak_bytes
+
+
+def test_peak_is_flat_in_the_number_of_rows(wide_mlp):
+    """The peak is per chunk, so it must not grow with the rows. TensorFlow's executor orders
+    ops differently from one call to the next (one chunk output more or less alive at the
+    peak), so both sides are the worst chunk over a similar number of chunks: three jobs of
+    512 rows against one of 2048, after a warm-up job that runs the (cached) strategy trial."""
+    inputs = {"x": rand((64, 256))}
+    budget = 48 << 20
+    _run(wide_mlp, inputs, 64, memory_budget_bytes=budget)  # the trial, kept out of both peaks
+    small = [_run(wide_mlp, inputs, 512, memory_budget_bytes=budget) for _ in range(3)]
+    large = _run(wide_mlp, inputs, 2048, memory_budget_bytes=budget)  # four times the rows
+    assert {r.plan["chunk_rows"] for r in small} == {large.plan["chunk_rows"]}
+    small_peak = max(r.peak_bytes for r in small)
+    assert large.peak_bytes <= 1.10 * small_peak, ([r.peak_bytes for r in small], large.peak_bytes)
+
+
+def test_less_free_memory_gives_a_smaller_chunk(wide_mlp):
+    inputs = {"x": rand((64, 256))}
+    plenty = _run(wide_mlp, inputs, 256, probe=InjectedProbe())
+    scarce = _run(wide_mlp, inputs, 256, probe=InjectedProbe(free_bytes=40 << 20))  # below the 256 MiB budget
+    assert scarce.plan["chunk_rows"] < plenty.plan["chunk_rows"]
+    assert scarce.plan["free_bytes_at_start"] == 40 << 20
+
+
+def test_injected_oom_halves_the_chunk_and_the_job_finishes(loaded):
+    model = loaded("cnn")
+    inputs = {"image": rand((2, 8, 8, 3))}
+    want = tape_jacobian(model, inputs, "logits", "image")
+    probe = InjectedProbe(oom_above_rows=2)
+    plans = []
+    got, report = compute_in_memory(model, inputs, chunk_rows=8, probe=probe, strategy="vectorized",
+                                    on_plan=plans.append)
+    assert report.plan["oom_retries"] == 2 and report.plan["chunk_rows"] == 2
+    assert [p["chunk_rows"] for p in plans] == [8, 4, 2]
+    assert probe.chunks[:3] == [8, 4, 2] and set(probe.chunks[3:]) == {2}
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_oom_at_one_row_is_a_clear_error(loaded):
+    from worker.engine import MemoryBudgetTooSmall
+
+    with pytest.raises(MemoryBudgetTooSmall, match="memory_budget_bytes: out of memory even at one row"):
+        compute_in_memory(loaded("mlp"), {"x": rand((3, 8))}, chunk_rows=4, probe=InjectedProbe(oom_above_rows=0),
+                          strategy="vectorized")
+
+
+def test_budget_below_one_row_is_refused(wide_mlp):
+    from worker.engine import MemoryBudgetTooSmall
+
+    with pytest.raises(MemoryBudgetTooSmall, match="raise memory_budget_bytes to at least"):
+        _run(wide_mlp, {"x": rand((64, 256))}, 64, memory_budget_bytes=1000)

@@ -1,0 +1,74 @@
+"""Subprocess helpers shared by the end-to-end tests and the benchmarks (no pytest import): free
+ports, the ``jacobian`` executable, a clean environment and a logged subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LOG_TAIL_CHARS = 6000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def jacobian_exe() -> list[str]:
+    """The ``jacobian`` console script beside this Python, else ``python -m app.cli``."""
+    exe = shutil.which("jacobian", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "app.cli"]
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any JACOBIAN_* or AWS_* variable, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JACOBIAN_", "AWS_"))}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def stop_all(procs: "list[subprocess.Popen]", timeout_s: float = 20.0) -> None:
+    """SIGTERM to every process still running, then wait for each; SIGKILL after ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+class Proc:
+    """A subprocess whose stdout and stderr go to a log file; ``stop()`` is SIGTERM, then SIGKILL."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name, self.log_path = name, log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+
+    def tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as err:
+            return f"(no log: {err})"
+        return text[-chars:]
+
+    def report(self) -> str:
+        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return f"----- {self.name} ({state}), log {self.log_path} -----\n{self.tail()}"
+
+    def stop(self) -> None:
+        stop_all([self.proc], timeout_s=15)
+        self._log.close()

@@ -1,0 +1,90 @@
+"""The chunk planner as pure logic: injected memory readings, no TensorFlow."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.engine.errors import MemoryBudgetTooSmall
+from worker.engine.planner import LinearFit, bucket_rows, fit_linear, plan_chunk
+
+
+def test_fit_linear_recovers_a_line():
+    fit = fit_linear(2, 1000 + 2 * 300, 8, 1000 + 8 * 300)
+    assert fit.fixed == pytest.approx(1000) and fit.per_row == pytest.approx(300)
+
+
+def test_fit_linear_never_negative():
+    fit = fit_linear(2, 5000, 8, 4000)  # noisy: the bigger chunk measured less
+    assert fit.per_row > 0 and fit.fixed >= 0
+
+
+def test_bucket_rows():
+    assert [bucket_rows(n) for n in (1, 2, 3, 5, 8, 9, 1000)] == [1, 2, 4, 8, 8, 16, 1024]
+
+
+def test_largest_power_of_two_that_fits_free_memory():
+    mem = LinearFit(fixed=100, per_row=10)
+    # usable = 0.8 * 1000 = 800 -> 100 + 10k <= 800 -> k <= 70 -> 64
+    assert plan_chunk(rows_total=10_000, memory=mem, free_bytes=1000) == 64
+
+
+def test_a_small_job_runs_as_one_chunk():
+    # all 256 rows need 2.6 kB, under a tenth of the 800 usable bytes? no -> chunked; with 1 MB free, one chunk
+    mem = LinearFit(fixed=100, per_row=10)
+    assert plan_chunk(rows_total=256, memory=mem, free_bytes=1000, seconds=LinearFit(1.0, 0.001)) < 256
+    assert plan_chunk(rows_total=256, memory=mem, free_bytes=10**6, seconds=LinearFit(0.0, 1.0),
+                      preferred_rows=8) == 256
+
+
+def test_budget_caps_free_memory():
+    mem = LinearFit(fixed=100, per_row=10)
+    assert plan_chunk(rows_total=10_000, memory=mem, free_bytes=10**9, budget_bytes=500) == 16  # 0.8*500=400 -> 30
+
+
+def test_never_more_than_the_rows():
+    mem = LinearFit(fixed=0, per_row=1)
+    assert plan_chunk(rows_total=5, memory=mem, free_bytes=10**12) == 8  # one padded bucket holds all rows
+
+
+def test_less_free_memory_shrinks_the_chunk():
+    mem = LinearFit(fixed=1 << 20, per_row=1 << 20)
+    chunks = [plan_chunk(rows_total=4096, memory=mem, free_bytes=free << 20) for free in (4000, 1000, 100, 10)]
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] > chunks[-1] >= 1
+
+
+def test_one_row_must_fit():
+    with pytest.raises(MemoryBudgetTooSmall, match="memory_budget_bytes.*at least") as info:
+        plan_chunk(rows_total=100, memory=LinearFit(0, 1000), free_bytes=10**9, budget_bytes=500)
+    assert info.value.field == "memory_budget_bytes"
+
+
+def test_throughput_plateau_stops_growth():
+    # 10 ms fixed per call, 1 ms per row: 90 % of the attainable rows/s at k = 9 * 10 = 90 -> 128
+    secs = LinearFit(fixed=0.010, per_row=0.001)
+    k = plan_chunk(rows_total=100_000, memory=LinearFit(0, 1), free_bytes=10**6, seconds=secs, throughput_fraction=0.9)
+    assert k == 128
+
+
+def test_effective_budget_is_the_tighter_cap():
+    from worker.tasks import effective_budget
+
+    assert effective_budget(None, None) is None
+    assert effective_budget(100, None) == 100
+    assert effective_budget(None, 50) == 50
+    assert effective_budget(100, 50) == 50 and effective_budget(10, 50) == 10
+
+
+def test_a_fit_without_fixed_cost_does_not_shrink_chunks_to_one_row():
+    k = plan_chunk(rows_total=10_000, memory=LinearFit(0, 1), free_bytes=10**5, seconds=LinearFit(0.0, 0.01))
+    assert k == 32
+
+
+def test_memory_still_wins_over_the_throughput_floor():
+    k = plan_chunk(rows_total=10_000, memory=LinearFit(0, 100), free_bytes=1000, seconds=LinearFit(0.0, 0.01))
+    assert k == 8
+
+
+def test_a_measured_sweet_spot_caps_the_chunk():
+    k = plan_chunk(rows_total=10_000, memory=LinearFit(0, 1), free_bytes=10**5, seconds=LinearFit(1.0, 0.001),
+                   preferred_rows=32)
+    assert k == 32

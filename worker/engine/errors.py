@@ -1,0 +1,37 @@
+"""Domain errors of the engine; each message names the request field and the fix."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class; ``field`` is the request field at fault ("wrt", "inputs.x", ...)."""
+
+    transient = False
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def type(self) -> str:
+        return type(self).__name__
+
+
+class InvalidRequest(EngineError):
+    """The request does not fit the model: unknown names, wrong dtype or shape, bad kind."""
+
+
+class NotDifferentiable(EngineError):
+    """TensorFlow cannot differentiate the model along the requested path."""
+
+
+class BatchNotIndependent(EngineError):
+    """``batch_jacobian`` was asked for a model whose examples interact."""
+
+
+class MemoryBudgetTooSmall(EngineError):
+    """Not even one row fits in the memory budget or the free memory."""
+
+
+class Stopped(EngineError):
+    """``should_stop`` asked the run to stop between chunks (cancel)."""

@@ -1,0 +1,300 @@
+"""A Jacobian problem: the model, its inputs, what to differentiate, and the result layout.
+
+Row conventions (``layout.iter_*``): reverse mode iterates over elements of ``of`` (rows of J),
+forward mode over elements of ``wrt`` (columns of J), ``batch_jacobian`` over features (all
+examples at once), ``hessian`` over elements of ``wrt``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from contracts.layout import ResultLayout
+from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
+from worker.engine.model import LoadedModel
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+STORABLE_DTYPES = ("float16", "float32", "float64")
+
+
+@dataclass
+class Problem:
+    model: LoadedModel
+    inputs: dict[str, Any]          # name -> tf.Tensor
+    of: str
+    wrt: str                        # input name, or "variables/<name>"
+    kind: str
+    mode: str                       # "reverse" | "forward" (resolved)
+    reduce: str | None
+    of_shape: tuple[int, ...]       # shape of `of` (before reduce)
+    wrt_shape: tuple[int, ...]
+    dtype: str                      # stored result dtype
+    compute_dtype: str
+    layout: ResultLayout
+
+    @property
+    def wrt_variable(self) -> Any | None:
+        if not self.wrt.startswith("variables/"):
+            return None
+        return self.model.find_variable(self.wrt[len("variables/"):])[1]
+
+    @property
+    def batch(self) -> int | None:
+        return self.of_shape[0] if self.kind == "batch_jacobian" else None
+
+    @property
+    def rows_total(self) -> int:
+        return self.layout.rows_total
+
+    @property
+    def seed_shape(self) -> tuple[int, ...]:
+        """Shape of one seed (cotangent in reverse mode, tangent in forward mode)."""
+        if self.kind == "hessian":
+            return self.wrt_shape
+        return self.of_shape if self.mode == "reverse" else self.wrt_shape
+
+    def cache_key(self) -> tuple:
+        shapes = tuple(sorted((n, tuple(t.shape), t.dtype.name) for n, t in self.inputs.items()))
+        return (self.of, self.wrt, self.kind, self.mode, self.reduce, shapes)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return {
+            "model": self.model.path, "signature": self.model.signature, "of": self.of, "wrt": self.wrt,
+            "kind": self.kind, "mode": self.mode, "reduce": self.reduce, "of_shape": list(self.of_shape),
+            "wrt_shape": list(self.wrt_shape), "shape": list(self.layout.shape), "dtype": self.dtype,
+            "iter_start": self.layout.iter_start, "iter_stop": self.layout.iter_stop,
+            "rows_total": self.rows_total,
+        }
+
+
+def _choices(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in sorted(names)) or "(none)"
+
+
+def _convert_inputs(model: LoadedModel, inputs: dict[str, Any]) -> dict[str, Any]:
+    import tensorflow as tf
+
+    unknown = sorted(set(inputs) - set(model.input_specs))
+    if unknown:
+        raise InvalidRequest(f"inputs.{unknown[0]}: not an input of signature {model.signature!r}; "
+                             f"inputs are: {_choices(list(model.input_specs))}", field=f"inputs.{unknown[0]}")
+    out = {}
+    for name, spec in model.input_specs.items():
+        if name not in inputs:
+            raise InvalidRequest(f"inputs.{name}: missing; the signature needs {spec.dtype.name} "
+                                 f"with shape {_shape_str(spec.shape)}", field=f"inputs.{name}")
+        value = np.asarray(inputs[name])
+        if value.dtype.name != spec.dtype.name:
+            raise InvalidRequest(f"inputs.{name}: dtype is {value.dtype.name} but the signature needs "
+                                 f"{spec.dtype.name}; send {spec.dtype.name} data", field=f"inputs.{name}")
+        if not spec.shape.is_compatible_with(value.shape):
+            raise InvalidRequest(f"inputs.{name}: shape {list(value.shape)} does not fit the signature's "
+                                 f"{_shape_str(spec.shape)}", field=f"inputs.{name}")
+        out[name] = tf.constant(value)
+    return out
+
+
+def _shape_str(shape: Any) -> str:
+    if shape.rank is None:
+        return "any shape"
+    return "[" + ", ".join("None" if d is None else str(d) for d in shape.as_list()) + "]"
+
+
+def _resolve_of(model: LoadedModel, of: str | None) -> str:
+    if of is None:
+        if len(model.output_specs) == 1:
+            return next(iter(model.output_specs))
+        raise InvalidRequest(f"of: the signature has several outputs; choose one of: {_choices(list(model.output_specs))}",
+                             field="of")
+    if of not in model.output_specs:
+        raise InvalidRequest(f"of: {of!r} is not an output of signature {model.signature!r}; "
+                             f"choose one of: {_choices(list(model.output_specs))}", field="of")
+    return of
+
+
+def _resolve_wrt(model: LoadedModel, wrt: str | None) -> str:
+    floats = [n for n, s in model.input_specs.items() if s.dtype.name in FLOAT_DTYPES]
+    if wrt is None:
+        if len(floats) == 1:
+            return floats[0]
+        raise InvalidRequest(f"wrt: cannot guess; choose one of: {_choices(floats)} or 'variables/<name>'", field="wrt")
+    if wrt.startswith("variables/"):
+        name, var = model.find_variable(wrt[len("variables/"):])
+        if var.dtype.name not in FLOAT_DTYPES:
+            raise InvalidRequest(f"wrt: variable {name!r} is {var.dtype.name} and cannot be differentiated", field="wrt")
+        return "variables/" + name
+    if wrt not in model.input_specs:
+        raise InvalidRequest(f"wrt: {wrt!r} is not an input of signature {model.signature!r}; choose one of: "
+                             f"{_choices(floats)} or 'variables/<name>'", field="wrt")
+    dtype = model.input_specs[wrt].dtype.name
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidRequest(f"wrt: {wrt!r} is {dtype} and cannot be differentiated; choose one of: {_choices(floats)}",
+                             field="wrt")
+    return wrt
+
+
+def _layout(kind: str, mode: str, of_shape: tuple, wrt_shape: tuple, itemsize: int) -> ResultLayout:
+    if kind == "hessian":
+        return ResultLayout(wrt_shape + wrt_shape, 0, len(wrt_shape), itemsize)
+    if kind == "batch_jacobian":
+        shape = (of_shape[0],) + of_shape[1:] + wrt_shape[1:]
+        if mode == "reverse":
+            return ResultLayout(shape, 1, len(of_shape), itemsize)
+        return ResultLayout(shape, len(of_shape), len(shape), itemsize)
+    shape = of_shape + wrt_shape
+    if mode == "reverse":
+        return ResultLayout(shape, 0, len(of_shape), itemsize)
+    return ResultLayout(shape, len(of_shape), len(shape), itemsize)
+
+
+def _probe_gradient(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: str, kind: str,
+                    reduce: str | None) -> tuple[Any, tuple[int, ...]]:
+    """One eager forward and backward pass: the shape of ``of`` and a gradient (None if unconnected)."""
+    import tensorflow as tf
+
+    is_var = wrt.startswith("variables/")
+    target = model.find_variable(wrt[len("variables/"):])[1] if is_var else inputs[wrt]
+    try:
+        with tf.GradientTape() as tape:
+            tape.watch(target)
+            y = model.fn(**inputs)[of]
+            s = tf.reduce_sum(y) if (kind != "hessian" or reduce == "sum") else y
+        grad = tape.gradient(s, target)
+    except (LookupError, ValueError, TypeError, tf.errors.OpError) as err:
+        raise NotDifferentiable(
+            f"wrt: TensorFlow cannot differentiate {of!r} with respect to {wrt!r} in this SavedModel: "
+            f"{error_summary(err)}. Re-export the model with differentiable ops (or without the op named above)",
+            field="wrt") from err
+    return grad, tuple(int(d) for d in y.shape)
+
+
+def error_summary(err: BaseException) -> str:
+    """The most telling line of a TensorFlow error (they start with 'in user code:')."""
+    lines = [t.strip() for t in str(err).strip().splitlines() if t.strip()]
+    interesting = [t for t in lines if ("rror" in t or "gradient" in t.lower()) and "in user code" not in t]
+    line = (interesting or lines or [""])[-1][:300]
+    return line if line.split(":")[0].endswith(("Error", "Exception")) else f"{type(err).__name__}: {line}"
+
+
+def _forward_agrees(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: str) -> str | None:
+    """Dot-product test of TensorFlow's forward mode on this model: ``sum(J t) == <J^T 1, t>``.
+
+    Some SavedModels break forward mode inside TensorFlow (an error, e.g. integer gathers) or,
+    worse, silently (zero JVPs w.r.t. variables captured by a loaded function). Returns why
+    forward mode cannot be trusted here, or None when it agrees with reverse mode.
+    """
+    import tensorflow as tf
+
+    target = model.find_variable(wrt[10:])[1] if wrt.startswith("variables/") else inputs[wrt]
+    tangent = tf.constant(np.random.default_rng(1).standard_normal(target.shape), dtype=target.dtype)
+    try:
+        with tf.autodiff.ForwardAccumulator(target, tangent) as acc:
+            y = model.fn(**inputs)[of]
+        jvp = acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        with tf.GradientTape() as tape:
+            tape.watch(target)
+            s = tf.reduce_sum(model.fn(**inputs)[of])
+        vjp = tf.convert_to_tensor(tape.gradient(s, target))
+    except Exception as err:  # noqa: BLE001 - any failure means: forward mode unusable here
+        return error_summary(err)
+    fwd = float(tf.reduce_sum(tf.cast(jvp, tf.float64)))
+    rev = float(tf.reduce_sum(tf.cast(vjp, tf.float64) * tf.cast(tangent, tf.float64)))
+    scale = max(abs(rev), abs(fwd), 1e-30)
+    if abs(fwd - rev) > 1e-3 * scale:
+        return f"its JVP disagrees with the VJP (dot-product test: {fwd:.6g} vs {rev:.6g})"
+    return None
+
+
+def verify_independence(problem: Problem, *, tolerance: float = 1e-5, seed: int = 0) -> None:
+    """Random-probe check that example ``i`` of ``of`` depends only on example ``i`` of ``wrt``.
+
+    One VJP per probed example with a random cotangent on that example alone; any gradient on
+    another example above ``tolerance`` (relative) raises BatchNotIndependent.
+    """
+    import tensorflow as tf
+
+    batch = problem.of_shape[0]
+    if batch < 2:
+        return
+    x = problem.inputs[problem.wrt]
+    rng = np.random.default_rng(seed)
+    for example in sorted({0, batch - 1}):
+        u = np.zeros(problem.of_shape, dtype=problem.compute_dtype)
+        u[example] = rng.standard_normal(problem.of_shape[1:])
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = problem.model.fn(**problem.inputs)[problem.of]
+        g = tape.gradient(y, x, output_gradients=tf.constant(u)).numpy().reshape(batch, -1)
+        own = float(np.abs(g[example]).max()) or 1.0
+        others = np.abs(np.delete(g, example, axis=0)).max()
+        if others > tolerance * own:
+            raise BatchNotIndependent(
+                f"kind: batch_jacobian needs independent examples, but example {example} of {problem.of!r} "
+                f"depends on other examples of {problem.wrt!r} (relative {others / own:.2g}); this happens with "
+                f"BatchNorm in training mode or attention across the batch. Use kind 'jacobian' instead",
+                field="kind")
+
+
+def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = None, wrt: str | None = None,
+                  kind: str = "jacobian", mode: str = "auto", reduce: str | None = None,
+                  check_independence: bool = False, output_dtype: str | None = None) -> Problem:
+    """Validate the request against the model and fix the result layout (raises EngineError)."""
+    if kind not in ("jacobian", "batch_jacobian", "hessian"):
+        raise InvalidRequest(f"kind: {kind!r} is not supported; use 'jacobian', 'batch_jacobian' or 'hessian'",
+                             field="kind")
+    if mode not in ("auto", "reverse", "forward"):
+        raise InvalidRequest(f"mode: {mode!r} is not supported; use 'auto', 'reverse' or 'forward'", field="mode")
+    if reduce not in (None, "sum"):
+        raise InvalidRequest(f"reduce: {reduce!r} is not supported; use 'sum' or omit it", field="reduce")
+    if output_dtype is not None and output_dtype not in STORABLE_DTYPES:
+        raise InvalidRequest(f"output_dtype: {output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); use one of "
+                             f"{', '.join(STORABLE_DTYPES)}", field="output_dtype")
+    requested_mode = mode
+    tensors = _convert_inputs(model, inputs)
+    of = _resolve_of(model, of)
+    wrt = _resolve_wrt(model, wrt)
+    out_dtype = model.output_specs[of].dtype.name
+    if out_dtype not in FLOAT_DTYPES:
+        raise InvalidRequest(f"of: {of!r} is {out_dtype} and has no derivative; choose a float output", field="of")
+    grad, of_shape = _probe_gradient(model, tensors, of, wrt, kind, reduce)
+    if grad is None:
+        raise InvalidRequest(f"wrt: {of!r} does not depend on {wrt!r} (the gradient is unconnected); "
+                             f"choose an input or variable that feeds {of!r}", field="wrt")
+    is_var = wrt.startswith("variables/")
+    wrt_shape = tuple(int(d) for d in (model.find_variable(wrt[10:])[1].shape if is_var else tensors[wrt].shape))
+    if kind == "hessian":
+        if of_shape != () and reduce != "sum":
+            raise InvalidRequest(f"of: a Hessian needs a scalar output but {of!r} has shape {list(of_shape)}; "
+                                 f"pass reduce='sum' for the Hessian of its sum, or choose a scalar output", field="of")
+        mode = "reverse" if mode == "auto" else mode
+    elif kind == "batch_jacobian":
+        if is_var:
+            raise InvalidRequest("wrt: batch_jacobian is per example and needs an input with a batch axis, "
+                                 "not a variable; use kind 'jacobian' for parameter Jacobians", field="wrt")
+        if not of_shape or not wrt_shape or of_shape[0] != wrt_shape[0]:
+            raise InvalidRequest(f"kind: batch_jacobian needs 'of' and 'wrt' with the same leading batch axis; got "
+                                 f"{list(of_shape)} and {list(wrt_shape)}; use kind 'jacobian'", field="kind")
+        if mode == "auto":
+            mode = "reverse" if math.prod(of_shape[1:]) <= math.prod(wrt_shape[1:]) else "forward"
+    elif mode == "auto":
+        mode = "reverse" if math.prod(of_shape) <= math.prod(wrt_shape) else "forward"
+    if mode == "forward":
+        why = _forward_agrees(model, tensors, of, wrt)
+        if why is not None and requested_mode == "auto":
+            mode = "reverse"
+        elif why is not None:
+            raise NotDifferentiable(f"mode: TensorFlow's forward mode fails on this SavedModel ({why}); "
+                                    f"use mode 'reverse' or 'auto'", field="mode")
+    dtype = output_dtype or (out_dtype if out_dtype in STORABLE_DTYPES else "float32")
+    itemsize = np.dtype(dtype).itemsize
+    problem = Problem(model=model, inputs=tensors, of=of, wrt=wrt, kind=kind, mode=mode, reduce=reduce,
+                      of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, compute_dtype=out_dtype,
+                      layout=_layout(kind, mode, of_shape, wrt_shape, itemsize))
+    if kind == "batch_jacobian" and check_independence:
+        verify_independence(problem)
+    return problem

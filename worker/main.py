@@ -1,0 +1,246 @@
+"""The worker process: an in-process rq worker (no fork) with its own heartbeat, one GPU per process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from redis import Redis
+from rq import Queue, SimpleWorker
+from rq.serializers import JSONSerializer
+from rq.worker import WorkerStatus
+
+from contracts.logs import configure_logging, job_context, start_thread_in_context
+from contracts.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+
+class JacobianWorker(SimpleWorker):
+    """Runs jobs in this process, so TensorFlow and the model cache outlive a job.
+
+    rq's ``SimpleWorker`` sends no heartbeat while a job runs and instead stretches every TTL to the
+    job timeout (24 h here), so a worker killed mid-job would look alive for a day. This class keeps
+    the job's heartbeat TTL at ``worker_heartbeat_ttl_factor`` (3) heartbeat intervals and refreshes
+    the worker, execution and job heartbeats from a thread every ``worker_heartbeat_s`` seconds while
+    a job runs.
+
+    Dead workers are found by rq's maintenance (``StartedJobRegistry.cleanup``: an execution whose
+    heartbeat expired is an abandoned job, retried while it has retries left). rq runs it every 10
+    minutes and an idle worker only wakes from its blocking dequeue every ``worker_ttl - 15`` s; here
+    both are ``worker_maintenance_s`` (15 s), so a job whose worker was killed is requeued at most
+    ``ttl_factor * heartbeat_s + worker_maintenance_s`` (45 s by default) after the kill, by any other
+    worker of the queue that is idle, and enqueued at once (its retry interval, meant for transient
+    errors, is skipped). Maintenance also enqueues retries scheduled with an interval
+    (``Retry(interval=...)``), so no separate rq scheduler process is needed, and marks a job failed
+    whose worker died when it has no retries left.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        settings = get_settings()
+        kwargs.setdefault("serializer", JSONSerializer)
+        kwargs.setdefault("job_monitoring_interval", settings.worker_heartbeat_s)
+        kwargs.setdefault("maintenance_interval", settings.worker_maintenance_s)
+        kwargs.setdefault("worker_ttl", settings.worker_maintenance_s + 15)  # dequeue timeout = maintenance interval
+        super().__init__(*args, **kwargs)
+        self.heartbeat_ttl_factor = settings.worker_heartbeat_ttl_factor
+        self._abandoned_ids: set[str] = set()
+        self.push_exc_handler(self._on_abandoned)
+
+    def get_heartbeat_ttl(self, job: Any, working_time: float = 0.0) -> int:
+        """Seconds until the job is taken for abandoned unless a heartbeat arrives: factor x interval."""
+        return max(int(self.heartbeat_ttl_factor * self.job_monitoring_interval), int(self.job_monitoring_interval) + 1)
+
+    def run_maintenance_tasks(self) -> None:
+        """rq's maintenance (requeue abandoned jobs, clean registries), then enqueue due scheduled retries."""
+        self._abandoned_ids: set[str] = set()
+        super().run_maintenance_tasks()
+        try:
+            self.enqueue_due_scheduled_jobs(now=self._abandoned_ids)
+        except Exception as err:  # noqa: BLE001 - retried at the next maintenance
+            log.warning("worker %s: enqueueing scheduled jobs failed: %s", self.name, err)
+
+    def enqueue_due_scheduled_jobs(self, now: set[str] | None = None) -> int:
+        """Move the scheduled jobs (retries with an interval) whose time has come to their queue, and
+        those in ``now`` at once (jobs of dead workers: waiting would not help them)."""
+        from rq.job import Job
+        from rq.utils import current_timestamp
+
+        moved = 0
+        for queue in self.queues:
+            registry = queue.scheduled_job_registry
+            ids = list(registry.get_jobs_to_schedule(current_timestamp()))
+            ids += [i for i in (now or ()) if i not in ids and self.connection.zscore(registry.key, i) is not None]
+            if not ids:
+                continue
+            jobs = Job.fetch_many(ids, connection=self.connection, serializer=self.serializer)
+            with self.connection.pipeline() as pipe:
+                for job_id, job in zip(ids, jobs):
+                    if job is not None:
+                        queue._enqueue_job(job, pipeline=pipe, at_front=job.should_enqueue_at_front())
+                        moved += 1
+                    registry.remove(job_id, pipeline=pipe)
+                pipe.execute()
+        if moved:
+            log.info("worker %s: enqueued %d scheduled job(s)", self.name, moved)
+        return moved
+
+    def _on_abandoned(self, job: Any, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
+        """Exception handler: a job whose worker died with no retries left is marked failed in its record."""
+        from rq.exceptions import AbandonedJobError
+
+        if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
+            return True
+        retries_left = bool(job.retries_left and job.retries_left > 0)
+        getattr(self, "_abandoned_ids", set()).add(job.id)
+        log.warning("worker %s: job %s was abandoned (its worker died); %s", self.name, job.id,
+                    "rq retries it" if retries_left else "no retries left")
+        if retries_left or job.func_name != "worker.tasks.run_job":
+            return True
+        spec = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
+        if spec.get("shard") is not None or not spec.get("id"):
+            return True  # a shard: the finalizer fails the job, naming the shard
+        try:
+            import time
+
+            from contracts.jobspec import JobStatus
+            from contracts.jobstore import JobStore
+
+            store = JobStore(self.connection, ttl_s=get_settings().result_ttl_s)
+            if store.exists(spec["id"]) and not store.get(spec["id"]).status.is_terminal:
+                store.update(spec["id"], status=JobStatus.failed, finished_at=time.time(),
+                             error={"type": "WorkerDied", "message": "the worker running this job died (its "
+                                    "heartbeat expired) and no retries were left; resubmit the job"})
+        except Exception as err:  # noqa: BLE001
+            log.warning("worker %s: could not mark abandoned job %s failed: %s", self.name, job.id, err)
+        return True
+
+    def execute_job(self, job: Any, queue: Any) -> None:
+        """Run ``job`` in this process with a heartbeat thread beside it; every log line carries its id."""
+        with job_context(job.id):
+            execution = self.prepare_execution(job)
+            stop = threading.Event()
+            beat = start_thread_in_context(self._beat, job, execution, stop, name="rq-heartbeat")
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                stop.set()
+                beat.join(timeout=5)
+        self.set_state(WorkerStatus.IDLE)
+
+    def _beat(self, job: Any, execution: Any, stop: threading.Event) -> None:
+        while not stop.wait(self.job_monitoring_interval):
+            try:
+                self.maintain_heartbeats(job, execution)
+            except Exception as err:  # a missed beat is retried next interval
+                log.warning("worker %s: heartbeat failed: %s", self.name, err)
+
+
+def configure_devices() -> None:
+    """Pin one GPU (``JACOBIAN_GPU``, an index) and turn on memory growth; call before TF starts.
+
+    Sets ``CUDA_VISIBLE_DEVICES`` when TensorFlow is not imported yet, else uses
+    ``tf.config.set_visible_devices``; errors from an initialised runtime are logged, not raised.
+    """
+    import sys
+
+    gpu = os.environ.get("JACOBIAN_GPU")
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if gpu is not None and "tensorflow" not in sys.modules:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+        return
+    if "tensorflow" not in sys.modules:
+        return
+    import tensorflow as tf
+
+    try:
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpu is not None and gpus:
+            tf.config.set_visible_devices(gpus[int(gpu)], "GPU")
+            gpus = [gpus[int(gpu)]]
+        for device in gpus:
+            tf.config.experimental.set_memory_growth(device, True)
+    except (RuntimeError, IndexError, ValueError) as err:
+        log.warning("JACOBIAN_GPU=%s could not be applied: %s", gpu, err)
+
+
+def worker_name() -> str:
+    gpu = os.environ.get("JACOBIAN_GPU")
+    return f"{socket.gethostname()}.{os.getpid()}" + (f".gpu{gpu}" if gpu is not None else "")
+
+
+def redis_connection(url: str) -> Redis:
+    """A Redis client that rides out a Redis restart of a few seconds: every command is retried on
+    connection errors and timeouts, 10 times with a backoff of 0.1 s doubling up to 2 s (about 13 s)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.retry import Retry
+
+    return Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 10),
+                          retry_on_error=[RedisConnectionError, RedisTimeoutError])
+
+
+def run_worker(burst: bool = False) -> bool:
+    """Work the ``settings.queue_name`` queue until stopped (or until empty with ``burst``).
+
+    Returns whether any job was processed. When Redis goes away (or the worker loop ends for any
+    reason but a stop request), a fresh worker is started after a backoff of 1 s doubling up to 30 s,
+    so a restarted Redis is reconnected to; with ``burst``, ``redis.RedisError`` is raised instead.
+    """
+    import time
+
+    import redis
+
+    configure_logging("worker")
+    configure_devices()
+    settings = get_settings()
+    if settings.worker_metrics_port is not None:
+        from worker.metrics import start_metrics_server
+
+        start_metrics_server(settings.worker_metrics_port)
+    connection = redis_connection(settings.redis_url)
+    queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
+    worked, attempt, delay_s = False, 0, 1.0
+    while True:
+        name = worker_name() + (f".r{attempt}" if attempt else "")
+        worker = JacobianWorker([queue], connection=connection, name=name)
+        log.info("worker %s on %s, queue %r, results %s", worker.name, settings.redis_url, settings.queue_name,
+                 settings.results_url)
+        started = time.monotonic()
+        try:
+            worked = worker.work(burst=burst, logging_level="INFO") or worked
+            if burst or worker._stop_requested or worker._shutdown_requested_date is not None:
+                return worked
+            log.warning("worker %s: work loop ended unexpectedly; starting again in %.1f s", worker.name, delay_s)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+            if burst:
+                raise
+            log.warning("worker %s: Redis unreachable (%s); reconnecting in %.1f s", worker.name, err, delay_s)
+        if time.monotonic() - started > 60:
+            delay_s = 1.0  # it ran for a while: start the backoff over
+        if _interruptible_sleep(delay_s):
+            return worked
+        delay_s = min(delay_s * 2, 30.0)
+        attempt += 1
+
+
+def _interruptible_sleep(seconds: float) -> bool:
+    """Sleep, returning True early when SIGTERM or SIGINT arrives (the worker should stop)."""
+    import signal
+
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return stop.wait(seconds)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+        signal.signal(s, lambda *_: stop.set())
+    try:
+        return stop.wait(seconds)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,78 @@
+"""Process-wide LRU cache of loaded SavedModels, keyed by (resolved path, signature, saved_model.pb mtime)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_MAX_MODELS = int(os.environ.get("JACOBIAN_MODEL_CACHE_SIZE", "4"))
+
+
+def _default_loader(path: str, signature: str) -> Any:
+    from worker.engine import load_model
+
+    return load_model(path, signature)
+
+
+class ModelCache:
+    """Keeps up to ``max_models`` loaded models; a model replaced on disk (new mtime) is reloaded.
+
+    Loading may raise whatever ``worker.engine.load_model`` raises (``EngineError``, ``OSError``).
+    """
+
+    def __init__(self, *, max_models: int = DEFAULT_MAX_MODELS,
+                 loader: Callable[[str, str], Any] = _default_loader) -> None:
+        self.max_models = max(1, max_models)
+        self.loader = loader
+        self._models: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(path: str, signature: str) -> tuple[str, str, int]:
+        resolved = Path(path).expanduser().resolve()
+        pb = resolved / "saved_model.pb"
+        mtime_ns = pb.stat().st_mtime_ns if pb.exists() else 0
+        return (str(resolved), signature, mtime_ns)
+
+    def get(self, path: str, signature: str = "serving_default") -> Any:
+        """The loaded model for ``(path, signature)``, loading it on a miss (evicting the oldest)."""
+        key = self.key(path, signature)
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                self.hits += 1
+                return self._models[key]
+            self.misses += 1
+            model = self.loader(key[0], signature)
+            self._models[key] = model
+            while len(self._models) > self.max_models:
+                self._models.popitem(last=False)
+            return model
+
+    def clear(self) -> None:
+        with self._lock:
+            self._models.clear()
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+
+_cache: ModelCache | None = None
+
+
+def get_model_cache() -> ModelCache:
+    """The process-wide cache (outlives jobs in a ``SimpleWorker``)."""
+    global _cache
+    if _cache is None:
+        _cache = ModelCache()
+    return _cache
+
+
+def get_model(path: str, signature: str = "serving_default") -> Any:
+    """Shortcut for ``get_model_cache().get(path, signature)``."""
+    return get_model_cache().get(path, signature)
