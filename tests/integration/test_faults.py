@@ -395,6 +395,41 @@ def test_redis_restart_during_job_worker_and_api_reconnect(pool, monkeypatch):
     assert again.status == JobStatus.succeeded, again.error
 
 
+REDIS_OUTAGE_S = 20.0  # longer than the ~13 s for which the workers' Redis client retries one command
+
+
+def test_redis_down_longer_than_the_client_retries_the_job_still_finishes(pool):
+    """Redis away for 20 s mid-job: once the client's retries run out, the running attempt fails
+    on a connection error (transient), the workers keep retrying their connection (they do not
+    exit) and, once Redis answers again, rq schedules the job's retry, which resumes from its
+    committed blocks. The job ends succeeded with a true record, bitwise equal to an uninterrupted
+    run, one retry spent."""
+    pool.conn.set(DELAY_KEY, "0.03")
+    try:
+        job_id = pool.submit(retry=Retry(max=2, interval=[1]))
+        pool.wait(lambda: len(committed(pool.results, job_id)) >= 10, what="10 committed blocks")
+        pool.redis.stop()
+        down_at = time.monotonic()
+        time.sleep(REDIS_OUTAGE_S)
+        pool.redis.start()  # appendonly: the queue, the registries and the records come back
+        pool.conn.delete(DELAY_KEY)
+        rec = pool.wait_terminal(job_id, timeout_s=240)
+        print(f"\n[faults] redis down {REDIS_OUTAGE_S:.0f} s: job ended {rec.status.value} "
+              f"{time.monotonic() - down_at:.1f} s after Redis went away")
+    finally:
+        pool.conn.delete(DELAY_KEY)
+    assert rec.status == JobStatus.succeeded, (rec.error, pool.log_tail())
+    assert rec.error is None
+    # the outage outlasted the client's retries: the attempt was interrupted and retried
+    assert Job.fetch(job_id, connection=pool.conn, serializer=JSONSerializer).retries_left == 1
+    assert rec.progress["rows_done"] == rec.progress["rows_total"] == 512 and rec.progress["fraction"] == 1.0
+    assert len(committed(pool.results, job_id)) == 128 and (Path(pool.results) / job_id / "manifest.json").exists()
+    assert all(p.poll() is None for p in pool.procs if p.returncode != -signal.SIGKILL), pool.log_tail()
+    ref = pool.wait_terminal(pool.submit(), timeout_s=240)  # the workers serve again
+    assert ref.status == JobStatus.succeeded, ref.error
+    assert result_bytes(rec) == result_bytes(ref)
+
+
 # -- 3. S3 unreachable during uploads -----------------------------------------------------------------
 
 
