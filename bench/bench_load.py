@@ -16,8 +16,8 @@ its own result.
    them (job hashes, rq's registries, the queue), and as storage holds them (a manifest.json per
    succeeded job, naming that job, over all its rows) are the same, and every job is in each.
 
-The client is plain asyncio over raw HTTP/1.1 so that the load generator does not take the cores
-the service needs (httpx costs about ten times more per request).
+The client is plain asyncio over raw HTTP/1.1, lighter per request than a full client such as
+httpx, so that the load generator takes as little as it can of the cores the service needs.
 
 Goal (issue 5): no error, every job terminal, counts agree, at 200 jobs and 500 requests/s for 60 s.
 Run: .venv/bin/python -m bench.bench_load [--jobs 200] [--rate 500] [--duration-s 60] [--out bench/results]
