@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -130,3 +131,44 @@ def model_root(tmp_path_factory) -> Path:
     from tests import models
 
     return models.build_models(tmp_path_factory.getbasetemp())
+
+
+# -- a worker in this process -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def worker_env(redis_server, redis_conn, model_root, tmp_path, monkeypatch):
+    """JACOBIAN_* settings for a worker run in this process (``work_burst``): call it with the storage
+    block size and any other settings (``TRY_XLA="0"``); it returns the results directory. The
+    environment's JACOBIAN_QUEUE_NAME is dropped (the default queue); the signal handlers that rq's
+    worker installs are put back afterwards."""
+    from contracts.settings import get_settings
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    monkeypatch.delenv("JACOBIAN_QUEUE_NAME", raising=False)
+
+    def configure(block_bytes: int, **settings: str) -> Path:
+        results = tmp_path / "results"
+        values = {"REDIS_URL": redis_server.url, "RESULTS_URL": str(results), "MODEL_ROOTS": str(model_root),
+                  "BLOCK_BYTES": str(block_bytes), "WORKER_HEARTBEAT_S": "1", **settings}
+        for name, value in values.items():
+            monkeypatch.setenv(f"JACOBIAN_{name}", value)
+        get_settings.cache_clear()
+        return results
+
+    yield configure
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    get_settings.cache_clear()
+
+
+def work_burst(conn) -> None:
+    """A ``JacobianWorker`` in this process on the configured queue until it is empty."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from contracts.settings import get_settings
+    from worker.main import JacobianWorker
+
+    queue = Queue(get_settings().queue_name, connection=conn, serializer=JSONSerializer)
+    JacobianWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)

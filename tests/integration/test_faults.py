@@ -34,7 +34,7 @@ from contracts.jobspec import JobStatus, ModelRef, QueuedJob
 from contracts.jobstore import JobNotFound, JobRecord, JobStore
 from contracts.settings import get_settings
 from tests import models
-from tests.conftest import RedisServer, free_port
+from tests.conftest import RedisServer, free_port, work_burst
 from tests.integration.shard_worker import DELAY_KEY
 from tests.procs import stop_all
 
@@ -499,28 +499,8 @@ def test_s3_unreachable_for_good_fails_clearly_without_manifest(pool, proxy, buc
 
 
 @pytest.fixture
-def local_env(redis_server, redis_conn, model_root, tmp_path, monkeypatch):
-    results = tmp_path / "results"
-    monkeypatch.setenv("JACOBIAN_REDIS_URL", redis_server.url)
-    monkeypatch.setenv("JACOBIAN_RESULTS_URL", str(results))
-    monkeypatch.setenv("JACOBIAN_MODEL_ROOTS", str(model_root))
-    monkeypatch.setenv("JACOBIAN_BLOCK_BYTES", str(BLOCK_BYTES))
-    monkeypatch.setenv("JACOBIAN_WORKER_HEARTBEAT_S", "1")
-    monkeypatch.setenv("JACOBIAN_TRY_XLA", "0")
-    monkeypatch.setenv("JACOBIAN_RESULT_TTL_S", "5")
-    get_settings.cache_clear()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
-    yield str(results)
-    for s, h in handlers.items():
-        signal.signal(s, h)
-    get_settings.cache_clear()
-
-
-def work(conn) -> None:
-    from worker.main import JacobianWorker
-
-    queue = Queue(get_settings().queue_name, connection=conn, serializer=JSONSerializer)
-    JacobianWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
+def local_env(worker_env):
+    return str(worker_env(BLOCK_BYTES, TRY_XLA="0", RESULT_TTL_S="5"))
 
 
 def test_job_over_its_timeout_fails_clearly_and_records_expire_after_the_ttl(local_env, redis_conn, model_root,
@@ -538,9 +518,9 @@ def test_job_over_its_timeout_fails_clearly_and_records_expire_after_the_ttl(loc
         patch.setattr(worker_storage.ResultWriter, "_write_block", slow)  # 128 blocks: > 6 s
         late = submit(redis_conn, local_env, model_root, queue_name=queue, timeout_s=2,
                       retry=Retry(max=2))  # a timeout is not retried: more time would not help
-        work(redis_conn)
+        work_burst(redis_conn)
     done = submit(redis_conn, local_env, model_root, queue_name=queue)
-    work(redis_conn)
+    work_burst(redis_conn)
     store = JobStore(redis_conn)
     ok, timed_out = store.get(done), store.get(late)
     assert ok.status == JobStatus.succeeded, ok.error

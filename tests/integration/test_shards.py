@@ -40,7 +40,7 @@ from contracts.jobstore import JobRecord, JobStore, merge_shard_progress
 from contracts.layout import Block
 from contracts.settings import get_settings
 from tests import models
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, work_burst
 from tests.integration.shard_worker import DELAY_KEY
 from tests.procs import stop_all
 
@@ -346,27 +346,9 @@ def test_worker_killed_mid_shard_only_that_shard_reruns(pool):
 
 
 @pytest.fixture
-def env(redis_server, redis_conn, model_root, tmp_path, monkeypatch):
-    results = tmp_path / "results"
-    monkeypatch.setenv("JACOBIAN_REDIS_URL", redis_server.url)
-    monkeypatch.setenv("JACOBIAN_RESULTS_URL", str(results))
-    monkeypatch.setenv("JACOBIAN_MODEL_ROOTS", str(model_root))
-    monkeypatch.setenv("JACOBIAN_BLOCK_BYTES", str(BLOCK_BYTES))
-    monkeypatch.setenv("JACOBIAN_WORKER_HEARTBEAT_S", "1")
-    monkeypatch.delenv("JACOBIAN_QUEUE_NAME", raising=False)
-    get_settings.cache_clear()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield results
-    for s, h in handlers.items():
-        signal.signal(s, h)
-    get_settings.cache_clear()
-
-
-def work(conn) -> None:
-    from worker.main import JacobianWorker
-
-    queue = Queue(get_settings().queue_name, connection=conn, serializer=JSONSerializer)
-    JacobianWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
+def env(worker_env):
+    """JACOBIAN_* variables for this test; the results directory."""
+    return worker_env(BLOCK_BYTES)
 
 
 @pytest.fixture
@@ -406,7 +388,7 @@ def test_transient_shard_failure_is_retried_alone(env, redis_conn, model_root, m
     monkeypatch.setattr(storage, "write_bytes", flaky_write)
     x = mlp_x()
     job_id = submit(redis_conn, env, model_root, {"x": x}, shards=3, chunk_rows=2)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded, rec.error
     s = [shard_job_id(job_id, i) for i in range(3)]
@@ -435,7 +417,7 @@ def test_progress_is_summed_over_shards_while_running(env, redis_conn, model_roo
 
     monkeypatch.setattr(worker.engine, "run_problem", spy_run)
     job_id = submit(redis_conn, env, model_root, {"x": mlp_x()}, shards=3, chunk_rows=2)
-    work(redis_conn)
+    work_burst(redis_conn)
     assert [p["rows_done"] for p in seen] == [0, 4, 8]  # as each shard starts, the others' rows count
     assert all(p["rows_total"] == 12 for p in seen)
     assert JobStore(redis_conn).get(job_id).progress["rows_done"] == 12
@@ -451,7 +433,7 @@ def test_shard_failing_for_good_fails_the_job(env, redis_conn, model_root, monke
     monkeypatch.setattr(storage, "write_bytes", lambda url, data: (_ for _ in ()).throw(OSError("down"))
                         if url.endswith("/committed/2") else real_write(url, data))
     job_id = submit(redis_conn, env, model_root, {"x": mlp_x()}, shards=3, chunk_rows=2, retries=0)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed and rec.result is None
     assert rec.error["type"] == "ResultWriteError"
@@ -480,7 +462,7 @@ def test_shard_lost_without_a_trace_fails_the_job_in_the_finalizer(env, redis_co
         record_job_failure(lost, "Moved to FailedJobRegistry, due to AbandonedJobError", pipe)
         pipe.execute()
     queue.enqueue_dependents(lost)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed and rec.error["type"] == "ShardFailed"
     assert rec.error["message"].startswith("shard 2 of 3 (rows 4:8) did not finish (2 blocks missing; rq: failed")
@@ -497,7 +479,7 @@ def test_cancel_reaches_every_shard(env, redis_conn, model_root, monkeypatch, sp
 
     monkeypatch.setattr(JobStore, "update", update)
     job_id = submit(redis_conn, env, model_root, {"x": mlp_x()}, shards=3, chunk_rows=2)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.canceled and rec.result is None
     assert spy == []  # every shard saw the flag before computing
@@ -515,7 +497,7 @@ def test_cancel_stops_running_shards_between_chunks(env, redis_conn, model_root,
 
     monkeypatch.setattr(JobStore, "update_shard_progress", update)
     job_id = submit(redis_conn, env, model_root, {"x": mlp_x()}, shards=2, chunk_rows=2)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.canceled
     assert [c[0] for c in spy] == [shard_job_id(job_id, 0)]  # shard 2 never computed

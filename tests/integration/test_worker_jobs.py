@@ -6,7 +6,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from contracts.jobspec import JobStatus, ModelRef, QueuedJob
 from contracts.jobstore import JobRecord, JobStore
 from contracts.settings import get_settings
 from tests import models
+from tests.conftest import work_burst
 
 pytestmark = pytest.mark.integration
 
@@ -60,20 +60,9 @@ def x() -> np.ndarray:
 
 
 @pytest.fixture
-def env(redis_server, redis_conn, model_root, tmp_path, monkeypatch):
-    """JACOBIAN_* variables for this test; yields the results directory."""
-    results = tmp_path / "results"
-    monkeypatch.setenv("JACOBIAN_REDIS_URL", redis_server.url)
-    monkeypatch.setenv("JACOBIAN_RESULTS_URL", str(results))
-    monkeypatch.setenv("JACOBIAN_MODEL_ROOTS", str(model_root))
-    monkeypatch.setenv("JACOBIAN_BLOCK_BYTES", str(BLOCK_BYTES))
-    monkeypatch.setenv("JACOBIAN_WORKER_HEARTBEAT_S", "1")
-    get_settings.cache_clear()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield results
-    for s, h in handlers.items():
-        signal.signal(s, h)
-    get_settings.cache_clear()
+def env(worker_env):
+    """JACOBIAN_* variables for this test; the results directory."""
+    return worker_env(BLOCK_BYTES)
 
 
 def submit(conn, results: Path, model_root: Path, x: np.ndarray, *, retries: int = 2,
@@ -94,16 +83,9 @@ def submit(conn, results: Path, model_root: Path, x: np.ndarray, *, retries: int
     return job_id
 
 
-def work(conn) -> None:
-    from worker.main import JacobianWorker
-
-    queue = Queue(get_settings().queue_name, connection=conn, serializer=JSONSerializer)
-    JacobianWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
-
-
 def test_job_succeeds_with_progress_plan_manifest_and_exact_result(env, redis_conn, model_root, x):
     job_id = submit(redis_conn, env, model_root, x, chunk_rows=5)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded, rec.error
     assert rec.error is None and rec.started_at and rec.finished_at and rec.finished_at >= rec.started_at
@@ -148,7 +130,7 @@ def test_transient_storage_failure_is_retried_by_rq_and_resumes(env, redis_conn,
 
     monkeypatch.setattr(worker.engine, "run_problem", spy_run)
     job_id = submit(redis_conn, env, model_root, x, retries=1, chunk_rows=4)
-    work(redis_conn)  # the retried job is requeued at once and taken by the same burst
+    work_burst(redis_conn)  # the retried job is requeued at once and taken by the same burst
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded and rec.error is None
     assert [c[0] for c in calls] == [[(0, 12)], [(6, 12)]]  # blocks 0-2 committed before the failure
@@ -165,7 +147,7 @@ def test_transient_failure_without_retries_left_ends_failed(env, redis_conn, mod
     monkeypatch.setattr(storage, "write_bytes", lambda url, data: (_ for _ in ()).throw(OSError("down"))
                         if "/committed/" in url else real_write(url, data))
     job_id = submit(redis_conn, env, model_root, x, retries=0)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed
     assert rec.error["type"] == "ResultWriteError" and "after 2 attempts" in rec.error["message"]
@@ -174,7 +156,7 @@ def test_transient_failure_without_retries_left_ends_failed(env, redis_conn, mod
 
 def test_engine_error_fails_with_clear_message_and_no_retry(env, redis_conn, model_root, x):
     job_id = submit(redis_conn, env, model_root, x, retries=2, wrt="nope")
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed and rec.finished_at
     assert rec.error["type"] == "InvalidRequest"
@@ -196,7 +178,7 @@ def test_cancel_between_chunks_removes_partial_data(env, redis_conn, model_root,
 
     monkeypatch.setattr(store_cls, "update", update)
     job_id = submit(redis_conn, env, model_root, x, chunk_rows=2)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.canceled and rec.finished_at and rec.result is None
     assert 2 <= rec.progress["rows_done"] < 12
@@ -208,7 +190,7 @@ def test_job_canceled_while_queued_never_computes(env, redis_conn, model_root, x
 
     monkeypatch.setattr(worker.engine, "run_problem", lambda *a, **k: pytest.fail("computed a canceled job"))
     job_id = submit(redis_conn, env, model_root, x, cancel_requested=True)
-    work(redis_conn)
+    work_burst(redis_conn)
     assert JobStore(redis_conn).get(job_id).status == JobStatus.canceled
 
 
@@ -216,15 +198,16 @@ def test_model_outside_roots_fails(env, redis_conn, model_root, x, monkeypatch, 
     monkeypatch.setenv("JACOBIAN_MODEL_ROOTS", str(tmp_path / "elsewhere"))
     get_settings.cache_clear()
     job_id = submit(redis_conn, env, model_root, x)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed and rec.error["type"] == "ModelPathNotAllowed"
     assert "model.path" in rec.error["message"]
 
 
 def test_worker_heartbeats_while_a_job_runs(env, redis_conn, model_root, x, monkeypatch):
-    import worker.engine
     from rq import Worker
+
+    import worker.engine
 
     real_run = worker.engine.run_problem
     seen = {}
@@ -238,7 +221,7 @@ def test_worker_heartbeats_while_a_job_runs(env, redis_conn, model_root, x, monk
 
     monkeypatch.setattr(worker.engine, "run_problem", slow_run)
     job_id = submit(redis_conn, env, model_root, x)
-    work(redis_conn)
+    work_burst(redis_conn)
     assert JobStore(redis_conn).get(job_id).status == JobStatus.succeeded
     assert seen["later"] != seen["first"]  # beats during the job, not only between jobs
     assert 0 < seen["ttl"] <= 61  # interval (1 s) + 60 s, not the 600 s job timeout
@@ -262,7 +245,7 @@ def test_rerun_of_a_finished_job_computes_nothing(env, redis_conn, model_root, x
     import worker.engine
 
     job_id = submit(redis_conn, env, model_root, x)
-    work(redis_conn)
+    work_burst(redis_conn)
     manifest = (env / job_id / "manifest.json").read_bytes()
     # a worker died after the manifest but before the status update; rq runs the job again
     JobStore(redis_conn).update(job_id, status=JobStatus.queued)
@@ -270,7 +253,7 @@ def test_rerun_of_a_finished_job_computes_nothing(env, redis_conn, model_root, x
     monkeypatch.setattr(worker.engine, "run_problem", lambda *a, **k: pytest.fail("recomputed a finished job"))
     Queue(get_settings().queue_name, connection=redis_conn, serializer=JSONSerializer).enqueue(
         "worker.tasks.run_job", spec, job_id=job_id)
-    work(redis_conn)
+    work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded and rec.result["shape"] == [3, 4, 3, 8]
     assert (env / job_id / "manifest.json").read_bytes() == manifest

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from contracts.layout import Block
-from worker.engine.errors import EngineError, MemoryBudgetTooSmall, NotDifferentiable, Stopped
+from worker.engine.errors import MemoryBudgetTooSmall, NotDifferentiable, Stopped
 from worker.engine.memory import MemoryProbe, TFMemoryProbe
 from worker.engine.planner import LinearFit, bucket_rows, fit_linear, plan_chunk
 from worker.engine.problem import Problem, error_summary
