@@ -303,7 +303,9 @@ class JobRun:
             self.store.create(record)
             return record
 
-    def _problem(self) -> Any:
+    def _problem(self, checked: dict[str, Any] | None = None) -> Any:
+        """The job's problem; ``checked`` (the planner's ``Problem.checked()``) spares a shard the
+        eager checks the planner already ran."""
         from worker.engine import build_problem
         from worker.model_cache import get_model
 
@@ -313,7 +315,8 @@ class JobRun:
         model = get_model(model_path, job.model.signature)
         return build_problem(model, inputs, of=job.of, wrt=job.wrt, kind=job.kind.value,
                              mode=job.mode.value, reduce=job.reduce,
-                             check_independence=job.check_independence, output_dtype=job.output_dtype)
+                             check_independence=job.check_independence, output_dtype=job.output_dtype,
+                             checked=checked)
 
     @property
     def budget(self) -> int | None:
@@ -384,7 +387,7 @@ class JobRun:
         layout = _layout(problem)
         plan = {"shards": shards, "ranges": [list(r) for r in split_rows(layout.blocks(), shards)],
                 "rows_total": layout.rows_total, "strategy": strategy, "block_bytes": layout.block_bytes,
-                "mode": problem.mode}
+                "mode": problem.mode, "checked": problem.checked()}
         # Before any shard may write: the array (resuming the blocks an earlier attempt committed).
         writer = ResultWriter.for_problem(job.results_url, job.id, problem, block_bytes=layout.block_bytes)
         writer.close()
@@ -486,7 +489,7 @@ class JobRun:
         job, store = self.job, self.store
         index = int(job.shard or 0)
         plan = store.shard_plan(job.id) or {}
-        problem = self._problem()
+        problem = self._problem(checked=plan.get("checked"))
         last = {"rows_done": None}
 
         def on_plan(plan_now: dict[str, Any]) -> None:

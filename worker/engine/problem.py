@@ -57,6 +57,13 @@ class Problem:
             return self.wrt_shape
         return self.of_shape if self.mode == "reverse" else self.wrt_shape
 
+    def checked(self) -> dict[str, Any]:
+        """What validating this request found (JSON): given back to ``build_problem(checked=...)``
+        for the same request, it skips the eager checks (the shards of a job validated by its planner)."""
+        return {"of": self.of, "wrt": self.wrt, "kind": self.kind, "reduce": self.reduce, "mode": self.mode,
+                "of_shape": list(self.of_shape), "wrt_shape": list(self.wrt_shape),
+                "input_shapes": {n: [int(d) for d in t.shape] for n, t in sorted(self.inputs.items())}}
+
     def cache_key(self) -> tuple:
         shapes = tuple(sorted((n, tuple(t.shape), t.dtype.name) for n, t in self.inputs.items()))
         return (self.of, self.wrt, self.kind, self.mode, self.reduce, shapes)
@@ -242,8 +249,15 @@ def verify_independence(problem: Problem, *, tolerance: float = 1e-5, seed: int 
 
 def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = None, wrt: str | None = None,
                   kind: str = "jacobian", mode: str = "auto", reduce: str | None = None,
-                  check_independence: bool = False, output_dtype: str | None = None) -> Problem:
-    """Validate the request against the model and fix the result layout (raises EngineError)."""
+                  check_independence: bool = False, output_dtype: str | None = None,
+                  checked: dict[str, Any] | None = None) -> Problem:
+    """Validate the request against the model and fix the result layout (raises EngineError).
+
+    ``checked`` is ``Problem.checked()`` of an earlier build of the same request (same ``of``,
+    ``wrt``, kind, reduce and input shapes; mode ``auto`` or the one resolved then): the eager probe
+    gradient, the forward-mode test and the independence check are then not run again, and the
+    resolved mode is reused. For any other request it is ignored and the request is checked in full.
+    """
     if kind not in ("jacobian", "batch_jacobian", "hessian"):
         raise InvalidRequest(f"kind: {kind!r} is not supported; use 'jacobian', 'batch_jacobian' or 'hessian'",
                              field="kind")
@@ -254,13 +268,34 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
     if output_dtype is not None and output_dtype not in STORABLE_DTYPES:
         raise InvalidRequest(f"output_dtype: {output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); use one of "
                              f"{', '.join(STORABLE_DTYPES)}", field="output_dtype")
-    requested_mode = mode
     tensors = _convert_inputs(model, inputs)
     of = _resolve_of(model, of)
     wrt = _resolve_wrt(model, wrt)
     out_dtype = model.output_specs[of].dtype.name
     if out_dtype not in FLOAT_DTYPES:
         raise InvalidRequest(f"of: {of!r} is {out_dtype} and has no derivative; choose a float output", field="of")
+    request = {"of": of, "wrt": wrt, "kind": kind, "reduce": reduce,
+               "input_shapes": {n: [int(d) for d in t.shape] for n, t in sorted(tensors.items())}}
+    trusted = (checked is not None and all(checked.get(k) == v for k, v in request.items())
+               and mode in ("auto", checked.get("mode")))
+    if trusted:
+        mode, of_shape, wrt_shape = checked["mode"], tuple(checked["of_shape"]), tuple(checked["wrt_shape"])
+    else:
+        mode, of_shape, wrt_shape = _check_request(model, tensors, of, wrt, kind, mode, reduce)
+    dtype = output_dtype or (out_dtype if out_dtype in STORABLE_DTYPES else "float32")
+    itemsize = np.dtype(dtype).itemsize
+    problem = Problem(model=model, inputs=tensors, of=of, wrt=wrt, kind=kind, mode=mode, reduce=reduce,
+                      of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, compute_dtype=out_dtype,
+                      layout=_layout(kind, mode, of_shape, wrt_shape, itemsize))
+    if kind == "batch_jacobian" and check_independence and not trusted:
+        verify_independence(problem)
+    return problem
+
+
+def _check_request(model: LoadedModel, tensors: dict[str, Any], of: str, wrt: str, kind: str, mode: str,
+                   reduce: str | None) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The eager checks of a request: ``(resolved mode, of_shape, wrt_shape)`` or an EngineError."""
+    requested_mode = mode
     grad, of_shape = _probe_gradient(model, tensors, of, wrt, kind, reduce)
     if grad is None:
         raise InvalidRequest(f"wrt: {of!r} does not depend on {wrt!r} (the gradient is unconnected); "
@@ -290,11 +325,4 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
         elif why is not None:
             raise NotDifferentiable(f"mode: TensorFlow's forward mode fails on this SavedModel ({why}); "
                                     f"use mode 'reverse' or 'auto'", field="mode")
-    dtype = output_dtype or (out_dtype if out_dtype in STORABLE_DTYPES else "float32")
-    itemsize = np.dtype(dtype).itemsize
-    problem = Problem(model=model, inputs=tensors, of=of, wrt=wrt, kind=kind, mode=mode, reduce=reduce,
-                      of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, compute_dtype=out_dtype,
-                      layout=_layout(kind, mode, of_shape, wrt_shape, itemsize))
-    if kind == "batch_jacobian" and check_independence:
-        verify_independence(problem)
-    return problem
+    return mode, of_shape, wrt_shape
