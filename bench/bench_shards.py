@@ -256,7 +256,8 @@ def main() -> None:
     x = np.random.default_rng(0).standard_normal((batch, SIZES[0])).astype("float32")
     row_bytes = batch * SIZES[-1] * 4  # one row: d y / d x[:, j], shape (batch, 512)
     print(f"job: {KIND} of MLP {'-'.join(map(str, SIZES))}, batch {batch}: {ROWS} rows of {row_bytes} bytes, "
-          f"{ROWS // BLOCK_ROWS} storage blocks; estimated {est_s:.1f} s on one thread", flush=True)
+          f"{ROWS // BLOCK_ROWS} storage blocks" + ("" if args.batch else f"; estimated {est_s:.1f} s on one thread"),
+          flush=True)
 
     strategy = None if args.strategy == "auto" else args.strategy
     stack = Stack(tmp, model_root, row_bytes, args.memory_budget)
