@@ -60,9 +60,8 @@ class Problem:
     def checked(self) -> dict[str, Any]:
         """What validating this request found (JSON): given back to ``build_problem(checked=...)``
         for the same request, it skips the eager checks (the shards of a job validated by its planner)."""
-        return {"of": self.of, "wrt": self.wrt, "kind": self.kind, "reduce": self.reduce, "mode": self.mode,
-                "of_shape": list(self.of_shape), "wrt_shape": list(self.wrt_shape),
-                "input_shapes": {n: [int(d) for d in t.shape] for n, t in sorted(self.inputs.items())}}
+        return {**_request_key(self.of, self.wrt, self.kind, self.reduce, self.inputs), "mode": self.mode,
+                "of_shape": list(self.of_shape), "wrt_shape": list(self.wrt_shape)}
 
     def cache_key(self) -> tuple:
         shapes = tuple(sorted((n, tuple(t.shape), t.dtype.name) for n, t in self.inputs.items()))
@@ -274,8 +273,7 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
     out_dtype = model.output_specs[of].dtype.name
     if out_dtype not in FLOAT_DTYPES:
         raise InvalidRequest(f"of: {of!r} is {out_dtype} and has no derivative; choose a float output", field="of")
-    request = {"of": of, "wrt": wrt, "kind": kind, "reduce": reduce,
-               "input_shapes": {n: [int(d) for d in t.shape] for n, t in sorted(tensors.items())}}
+    request = _request_key(of, wrt, kind, reduce, tensors)
     trusted = (checked is not None and all(checked.get(k) == v for k, v in request.items())
                and mode in ("auto", checked.get("mode")))
     if trusted:
@@ -290,6 +288,12 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
     if kind == "batch_jacobian" and check_independence and not trusted:
         verify_independence(problem)
     return problem
+
+
+def _request_key(of: str, wrt: str, kind: str, reduce: str | None, tensors: dict[str, Any]) -> dict[str, Any]:
+    """What makes two requests the same for ``Problem.checked()`` (JSON: it travels through Redis)."""
+    return {"of": of, "wrt": wrt, "kind": kind, "reduce": reduce,
+            "input_shapes": {n: [int(d) for d in t.shape] for n, t in sorted(tensors.items())}}
 
 
 def _check_request(model: LoadedModel, tensors: dict[str, Any], of: str, wrt: str, kind: str, mode: str,
