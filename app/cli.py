@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+_STARTED = time.perf_counter()
 KINDS = ("jacobian", "batch_jacobian", "hessian")
 MODES = ("auto", "reverse", "forward")
 
@@ -54,30 +55,41 @@ def cmd_compute(args: argparse.Namespace) -> int:
     configure_devices()
     from contracts import storage
     from contracts.settings import get_settings
-    from worker.engine import EngineError, build_problem
+    from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
+    from worker.engine.planning import prepare
     from worker.model_cache import get_model
     from worker.tasks import InvalidInputs, compute_to_storage, effective_budget, load_inputs
 
     job_id = args.job_id or uuid.uuid4().hex
     model_path = str(Path(args.model).expanduser().resolve())
+    settings = get_settings()
+    plans = DiskPlanCache(settings.cache_dir)
     try:
         inputs = load_inputs(args.input, field="--input")
         model = get_model(model_path, args.signature)
-        problem = build_problem(model, inputs, of=args.of, wrt=args.wrt, kind=args.kind, mode=args.mode,
-                                reduce=args.reduce, check_independence=args.check_independence,
-                                output_dtype=args.output_dtype)
+        probe = TFMemoryProbe()
+        problem, plan = prepare(model, inputs, cache=plans, device=probe.device, of=args.of, wrt=args.wrt,
+                                kind=args.kind, mode=args.mode, reduce=args.reduce,
+                                check_independence=args.check_independence, output_dtype=args.output_dtype)
         print(f"job {job_id}: {problem.kind} d{problem.of}/d{problem.wrt}, shape {tuple(problem.layout.shape)}, "
-              f"{problem.rows_total} rows, mode {problem.mode}", file=sys.stderr, flush=True)
+              f"{problem.rows_total} rows, mode {problem.mode}, plan {plan.source} ({plan.strategy})",
+              file=sys.stderr, flush=True)
         manifest = compute_to_storage(
             problem, results_url=storage.normalize(args.out), job_id=job_id,
-            memory_budget_bytes=effective_budget(args.memory_budget, get_settings().memory_budget_bytes),
-            chunk_rows=args.chunk_rows,
+            memory_budget_bytes=effective_budget(args.memory_budget, settings.memory_budget_bytes),
+            chunk_rows=args.chunk_rows, plan=plan, on_learned=plans.put, probe=probe, try_xla=settings.try_xla,
             on_plan=lambda plan: print(f"plan: {plan}", file=sys.stderr, flush=True),
             on_progress=_ProgressPrinter(),
             manifest_fields={"model": {"path": model_path, "signature": args.signature}})
     except (EngineError, InvalidInputs) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    done = manifest.get("plan") or {}
+    if done.get("rows_computed"):
+        rate = done["rows_computed"] / max(done.get("run_seconds") or 1e-9, 1e-9)
+        print(f"done: {done['rows_computed']} rows in {done.get('run_seconds')} s ({rate:.1f} rows/s, strategy "
+              f"{done.get('strategy')}, chunks of {done.get('chunk_rows')}), {time.perf_counter() - _STARTED:.1f} s "
+              "since start", file=sys.stderr, flush=True)
     print(manifest["uri"])
     return 0
 

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     gpu: str | None = Field(None, description="GPU index this worker pins (sets CUDA_VISIBLE_DEVICES)")
     block_bytes: int | None = Field(None, description="target bytes per Zarr storage chunk (default 32 MiB)")
     model_cache_size: int = 4
+    try_xla: bool = Field(True, description="let strategy trials try XLA variants")
+    cache_dir: str | None = Field(None, description="folder for plans (default ~/.cache/jacobian); workers "
+                                  "share plans through Redis and keep them here too")
     api_url: str = "http://127.0.0.1:8000"
 
     @field_validator("model_roots", "api_keys", mode="before")

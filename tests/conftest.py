@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 from tests.procs import free_port
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Plans (worker.engine.plan_cache) of this test session live in a folder of their own, never in ~/.cache.
+os.environ["JACOBIAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="jacobian-test-plans-")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,8 +28,13 @@ def jacobian_exe() -> list[str]:
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any JACOBIAN_* or AWS_* variable, plus ``extra``."""
+    """This process's environment without any JACOBIAN_* or AWS_* variable, plus ``extra``.
+
+    ``JACOBIAN_CACHE_DIR`` is kept (tests/conftest.py points it at a folder of the test session), so
+    that no test process reads or writes plans in the user's ``~/.cache/jacobian``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JACOBIAN_", "AWS_"))}
+    if os.environ.get("JACOBIAN_CACHE_DIR"):
+        env["JACOBIAN_CACHE_DIR"] = os.environ["JACOBIAN_CACHE_DIR"]
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)

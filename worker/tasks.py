@@ -120,13 +120,17 @@ def compute_to_storage(problem: Any, *, results_url: str, job_id: str, rows: tup
                        should_stop: Callable[[], bool] | None = None,
                        manifest_fields: dict[str, Any] | None = None,
                        created_at: float | None = None, strategy: str | None = None,
-                       block_bytes: int | None = None, create: bool = True) -> dict[str, Any]:
+                       block_bytes: int | None = None, create: bool = True, plan: Any = None,
+                       refine: str = "auto", on_learned: Callable[[Any], None] | None = None,
+                       probe: Any = None, try_xla: bool = True) -> dict[str, Any]:
     """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/``.
 
     Resumes from committed blocks; writes ``manifest.json`` last (not for a shard, ``rows`` given).
-    ``strategy`` pins the chunk strategy (skips the trial of the others); ``block_bytes`` overrides
-    ``JACOBIAN_BLOCK_BYTES``; ``create=False`` (a shard) writes into the existing array and never
-    recreates it. Returns the manifest. Raises ``EngineError`` (``Stopped`` on cancel), ``ResultWriteError``.
+    ``plan`` (``worker.engine.Plan``) is the strategy and what is known of it; ``on_learned`` receives
+    it updated by this run, to store. ``strategy`` pins the chunk strategy; ``refine`` is passed to
+    ``run_problem``; ``block_bytes`` overrides ``JACOBIAN_BLOCK_BYTES``; ``create=False`` (a shard)
+    writes into the existing array and never recreates it. Returns the manifest. Raises
+    ``EngineError`` (``Stopped`` on cancel), ``ResultWriteError``.
     """
     from worker.engine import run_problem
 
@@ -140,6 +144,7 @@ def compute_to_storage(problem: Any, *, results_url: str, job_id: str, rows: tup
     progress = Progress(rows_total=writer.rows_total, rows_done=writer.rows_committed)
     if on_progress:
         on_progress(progress.snapshot())
+    engine_plan = plan
     plan: dict[str, Any] = {}
     kind = str((getattr(problem, "attrs", None) or {}).get("kind") or getattr(problem, "kind", ""))
     chunk_clock = {"t": time.monotonic()}
@@ -172,8 +177,12 @@ def compute_to_storage(problem: Any, *, results_url: str, job_id: str, rows: tup
         if ranges:
             report = run_problem(problem, ranges=ranges, memory_budget_bytes=memory_budget_bytes,
                                  chunk_rows=chunk_rows, on_plan=take_plan, on_chunk=take_chunk,
-                                 should_stop=should_stop, strategy=strategy)
+                                 should_stop=should_stop, strategy=strategy, plan=engine_plan, refine=refine,
+                                 probe=probe, try_xla=try_xla)
             plan.update(getattr(report, "plan", None) or {})
+            plan.update({"rows_computed": report.rows_computed, "run_seconds": round(report.seconds, 3)})
+            if on_learned is not None:
+                on_learned(report.learned)
         writer.close()
     except BaseException:
         writer.abort()
@@ -303,20 +312,33 @@ class JobRun:
             self.store.create(record)
             return record
 
-    def _problem(self, checked: dict[str, Any] | None = None) -> Any:
-        """The job's problem; ``checked`` (the planner's ``Problem.checked()``) spares a shard the
-        eager checks the planner already ran."""
-        from worker.engine import build_problem
+    def _problem(self, plan: Any = None) -> tuple[Any, Any]:
+        """The job's problem and plan: ``plan`` given (a shard's, made by its planner) is used as it
+        is; otherwise the plan cache's (Redis, then this worker's folder) or a default."""
+        from worker.engine.planning import prepare
         from worker.model_cache import get_model
 
         job = self.job
         model_path = check_model_path(job.model.path, self.settings.model_roots)
         inputs = load_inputs(job.inputs_uri)
         model = get_model(model_path, job.model.signature)
-        return build_problem(model, inputs, of=job.of, wrt=job.wrt, kind=job.kind.value,
-                             mode=job.mode.value, reduce=job.reduce,
-                             check_independence=job.check_independence, output_dtype=job.output_dtype,
-                             checked=checked)
+        return prepare(model, inputs, cache=self.plans, device=self.probe.device, of=job.of, wrt=job.wrt,
+                       kind=job.kind.value, mode=job.mode.value, reduce=job.reduce,
+                       check_independence=job.check_independence, output_dtype=job.output_dtype, plan=plan)
+
+    @property
+    def plans(self) -> Any:
+        from worker.plan_store import worker_plan_cache
+
+        return worker_plan_cache(self.store.connection, self.settings.cache_dir)
+
+    @property
+    def probe(self) -> Any:
+        from worker.engine import TFMemoryProbe
+
+        if getattr(self, "_probe", None) is None:
+            self._probe = TFMemoryProbe()
+        return self._probe
 
     @property
     def budget(self) -> int | None:
@@ -327,10 +349,7 @@ class JobRun:
         stored = store.shard_plan(job.id)
         if stored is not None and int(stored.get("shards") or 1) > 1:  # an earlier attempt split the job
             return self._fan_out(stored)
-        problem = self._problem()
-        shards, strategy = self._choose_shards(problem)
-        if shards > 1:
-            return self._split(problem, shards, strategy)
+        problem, plan = self._problem()
 
         def on_plan(plan: dict[str, Any]) -> None:
             store.update(job.id, plan={**plan, "shards": 1})
@@ -338,60 +357,90 @@ class JobRun:
         def on_progress(progress: dict[str, Any]) -> None:
             store.update(job.id, progress=progress)
 
-        manifest = compute_to_storage(
-            problem, results_url=job.results_url, job_id=job.id, rows=job.rows,
-            memory_budget_bytes=self.budget, chunk_rows=job.chunk_rows, strategy=job.strategy,
-            on_plan=on_plan, on_progress=on_progress,
-            should_stop=lambda: store.is_cancel_requested(job.id),
-            manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}},
-            created_at=record.created_at)
+        def compute(rows: tuple[int, int] | None, refine: str = "auto") -> dict[str, Any]:
+            return compute_to_storage(
+                problem, results_url=job.results_url, job_id=job.id, rows=rows,
+                memory_budget_bytes=self.budget, chunk_rows=job.chunk_rows, strategy=job.strategy,
+                on_plan=on_plan, on_progress=on_progress,
+                should_stop=lambda: store.is_cancel_requested(job.id),
+                manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}},
+                created_at=record.created_at, plan=plan, refine=refine, on_learned=self.plans.put, probe=self.probe,
+                try_xla=self.settings.try_xla)
+
+        shards = self._choose_shards(problem, plan)
+        blocks = iter(_layout(problem).blocks())
+        while shards is None:  # automatic, and no rows/s measured for this request yet: measure on its blocks
+            block = next(blocks, None)
+            if block is None:
+                shards = 1
+                break
+            compute((block.row_start, block.row_stop), refine="never")
+            shards = self._choose_shards(problem, plan)
+        if shards > 1:
+            return self._split(problem, shards, plan)
+        manifest = compute(job.rows)
         result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
-        store.update(job.id, status=JobStatus.succeeded, result=result, error=None, finished_at=time.time())
+        final_plan = {**(manifest.get("plan") or {}), "shards": 1}
+        store.update(job.id, status=JobStatus.succeeded, result=result, error=None, finished_at=time.time(),
+                     plan=final_plan)
         log.info("job %s succeeded: %s", job.id, result["uri"])
         return {"id": job.id, "status": JobStatus.succeeded.value, "result": result}
 
     # -- splitting a job into shards ------------------------------------------------------------
 
-    def _choose_shards(self, problem: Any) -> tuple[int, str | None]:
-        """How many shards (``choose_shards``) and, when more than one, the strategy they all use."""
+    def _choose_shards(self, problem: Any, plan: Any) -> int | None:
+        """How many shards (``choose_shards``); all shards then run ``plan``'s strategy.
+
+        Automatic sharding sizes the job by the plan's measured rows/s: None when there is none yet
+        (the caller then computes the first storage block and asks again).
+        """
         job = self.job
         blocks = len(_layout(problem).blocks())
         if job.shards == 1 or blocks < 2 or job.rows is not None:
-            return 1, job.strategy
+            return 1
         live = None
         if job.shards is None:
             live = live_workers(self.store.connection, self._queue())
             if live < 2:
-                return 1, job.strategy
-        from worker.engine import TFMemoryProbe, select_strategy
-
-        # The trial run_problem would run anyway (cached per model and request): its winner is pinned
-        # for every shard, so all rows are computed alike, and its time line sizes the job.
-        probe = TFMemoryProbe()
-        known = None if job.strategy else _known_trial(problem, probe, self.budget)
-        trial = known or select_strategy(problem, probe, strategy=job.strategy, limit_bytes=self.budget)
-        strategy = job.strategy or trial.strategy + ("+xla" if trial.xla else "")
-        _remember_pinned_trial(problem, probe, trial, strategy, self.budget)
-        estimate_s = estimated_seconds(trial.seconds, problem.rows_total)
-        n = choose_shards(job.shards, blocks=blocks, live_workers=live, estimated_seconds=estimate_s,
+                return 1
+        estimate_s = estimated_seconds(plan, problem.rows_total)
+        if job.shards is None and estimate_s is None:
+            log.info("job %s: no measured rows/s for this request yet; measuring on the first block", job.id)
+            return None
+        n = choose_shards(job.shards, blocks=blocks, live_workers=live, estimated_seconds=estimate_s or 0.0,
                           min_shard_seconds=shard_min_seconds())
-        log.info("job %s: %d shard(s): %d storage blocks, %s live workers, about %.1f s of compute",
-                 job.id, n, blocks, "-" if live is None else live, estimate_s,
+        log.info("job %s: %d shard(s): %d storage blocks, %s live workers, about %s s of compute",
+                 job.id, n, blocks, "-" if live is None else live,
+                 "?" if estimate_s is None else f"{estimate_s:.1f}",
                  extra={"event": "shards_chosen", "shards": n, "blocks": blocks, "live_workers": live,
-                        "estimated_seconds": round(estimate_s, 3), "strategy": strategy})
-        return n, strategy
+                        "estimated_seconds": None if estimate_s is None else round(estimate_s, 3),
+                        "strategy": job.strategy or plan.strategy})
+        return n
 
-    def _split(self, problem: Any, shards: int, strategy: str | None) -> dict[str, Any]:
-        """Create the result array once, store the shard plan, enqueue the shards and the finalizer."""
+    def _split(self, problem: Any, shards: int, plan: Any) -> dict[str, Any]:
+        """Create the result array once, store the shard plan, enqueue the shards and the finalizer.
+
+        Every shard runs the planner's plan with its strategy pinned, so all rows are computed alike."""
         job = self.job
         layout = _layout(problem)
-        plan = {"shards": shards, "ranges": [list(r) for r in split_rows(layout.blocks(), shards)],
-                "rows_total": layout.rows_total, "strategy": strategy, "block_bytes": layout.block_bytes,
-                "mode": problem.mode, "checked": problem.checked()}
+        strategy = job.strategy or plan.strategy
+        split = {"shards": shards, "ranges": [list(r) for r in split_rows(layout.blocks(), shards)],
+                 "rows_total": layout.rows_total, "strategy": strategy, "block_bytes": layout.block_bytes,
+                 "mode": problem.mode, "engine_plan": plan.to_json()}
         # Before any shard may write: the array (resuming the blocks an earlier attempt committed).
         writer = ResultWriter.for_problem(job.results_url, job.id, problem, block_bytes=layout.block_bytes)
+        committed = {b.index for b in writer.blocks} - {b.index for b in writer.pending_blocks()}
         writer.close()
-        return self._fan_out(self.store.set_shard_plan(job.id, plan))
+        stored = self.store.set_shard_plan(job.id, split)
+        if stored is not None and stored.get("ranges") == split["ranges"]:
+            # Rows this planner computed before splitting (measuring the job's rows/s) count for their shard.
+            for i, (lo, hi) in enumerate(split["ranges"]):
+                rows = sum(b.row_stop - b.row_start for b in writer.blocks
+                           if b.index in committed and lo <= b.row_start < hi)
+                if rows:
+                    self.store.update_shard_progress(job.id, i, {"rows_done": rows, "rows_total": hi - lo},
+                                                     computed_rows=rows)
+        return self._fan_out(stored)
 
     def _queue(self) -> Any:
         from rq import Queue
@@ -489,7 +538,10 @@ class JobRun:
         job, store = self.job, self.store
         index = int(job.shard or 0)
         plan = store.shard_plan(job.id) or {}
-        problem = self._problem(checked=plan.get("checked"))
+        from worker.engine import Plan
+
+        engine_plan = Plan.from_json(plan["engine_plan"]) if plan.get("engine_plan") else None
+        problem, engine_plan = self._problem(plan=engine_plan)
         last = {"rows_done": None}
 
         def on_plan(plan_now: dict[str, Any]) -> None:
@@ -505,7 +557,8 @@ class JobRun:
             problem, results_url=job.results_url, job_id=job.id, rows=job.rows, create=False,
             block_bytes=plan.get("block_bytes"), memory_budget_bytes=self.budget, chunk_rows=job.chunk_rows,
             strategy=job.strategy, on_plan=on_plan, on_progress=on_progress,
-            should_stop=lambda: store.should_stop(job.id))
+            should_stop=lambda: store.should_stop(job.id), plan=engine_plan, refine="never", probe=self.probe,
+            try_xla=self.settings.try_xla)
         log.info("job %s: %s done", job.id, self.shard_label)
         self.metric_status = "shard_done"
         return {**out, "status": "shard_done"}
@@ -586,11 +639,11 @@ def choose_shards(requested: int | None, *, blocks: int, live_workers: int | Non
     return max(1, min(live_workers, blocks, by_time))
 
 
-def estimated_seconds(seconds_fit: Any, rows_total: int) -> float:
-    """Compute seconds of ``rows_total`` rows at the trial's calibration chunk (32 rows): an upper bound,
-    since larger chunks are faster per row."""
-    k = max(1, min(32, rows_total))
-    return max(float(seconds_fit(k)), 0.0) * rows_total / k
+def estimated_seconds(plan: Any, rows_total: int) -> float | None:
+    """Compute seconds of ``rows_total`` rows at the best rows/s the plan's strategy has measured
+    (None when it has measured none)."""
+    rate = plan.current.best_rate() if plan is not None else None
+    return rows_total / rate if rate else None
 
 
 def split_rows(blocks: list[Any], shards: int) -> list[tuple[int, int]]:
@@ -622,30 +675,6 @@ def live_workers(connection: Any, queue: Any) -> int:
         for key in keys:
             pipe.exists(key)
         return sum(1 for alive in pipe.execute() if alive)
-
-
-def _remember_pinned_trial(problem: Any, probe: Any, trial: Any, strategy: str, budget: int | None) -> None:
-    """Let this worker's shards, which run with ``strategy`` pinned, reuse the trial just made.
-
-    ``select_strategy`` caches its trial per (request, strategy asked for, device, budget); a pinned
-    shard asks for the winner by name, which would otherwise repeat the calibration here. Best
-    effort: if the engine's cache changes shape, the shard just calibrates again.
-    """
-    trials = getattr(problem.model, "trials", None)
-    if isinstance(trials, dict):
-        trials.setdefault((problem.cache_key(), strategy, probe.device, budget), trial)
-
-
-def _known_trial(problem: Any, probe: Any, budget: int | None) -> Any:
-    """A trial this worker already made for this request (e.g. as a shard of an earlier job with
-    the strategy pinned), so that planning a split costs no new trial; None when there is none."""
-    trials = getattr(problem.model, "trials", None)
-    if not isinstance(trials, dict):
-        return None
-    key = problem.cache_key()
-    found = [(k[1] is not None, trial) for k, trial in list(trials.items())
-             if isinstance(k, tuple) and len(k) == 4 and k[0] == key and k[2] == probe.device and k[3] == budget]
-    return min(found, key=lambda f: f[0])[1] if found else None  # the full trial first, else a pinned one
 
 
 def _layout(problem: Any) -> Any:

@@ -7,13 +7,16 @@ from worker.engine.errors import (BatchNotIndependent, EngineError, InvalidReque
                                   NotDifferentiable, Stopped)
 from worker.engine.memory import MemoryProbe, TFMemoryProbe
 from worker.engine.model import LoadedModel, describe_signature, load_model
+from worker.engine.plan import Plan, PlanKey, StrategyRecord
+from worker.engine.plan_cache import DiskPlanCache, MemoryPlanCache, PlanCache, TieredPlanCache
 from worker.engine.planner import LinearFit, bucket_rows, fit_linear, plan_chunk
-from worker.engine.problem import Problem, build_problem, verify_independence
-from worker.engine.runner import RunReport, compute_in_memory, run_problem, select_strategy
+from worker.engine.problem import Problem, build_problem, plan_key, verify_independence
+from worker.engine.runner import RunReport, compute_in_memory, default_plan, rows_agree, run_problem
 
 __all__ = [
     "BatchNotIndependent", "EngineError", "InvalidRequest", "MemoryBudgetTooSmall", "NotDifferentiable", "Stopped",
-    "MemoryProbe", "TFMemoryProbe", "LoadedModel", "describe_signature", "load_model", "LinearFit", "bucket_rows",
-    "fit_linear", "plan_chunk", "Problem", "build_problem", "verify_independence", "RunReport", "compute_in_memory",
-    "run_problem", "select_strategy",
+    "MemoryProbe", "TFMemoryProbe", "LoadedModel", "describe_signature", "load_model", "Plan", "PlanKey",
+    "StrategyRecord", "DiskPlanCache", "MemoryPlanCache", "PlanCache", "TieredPlanCache", "LinearFit",
+    "bucket_rows", "fit_linear", "plan_chunk", "Problem", "build_problem", "plan_key", "verify_independence",
+    "RunReport", "compute_in_memory", "default_plan", "rows_agree", "run_problem",
 ]

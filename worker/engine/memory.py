@@ -3,7 +3,51 @@
 from __future__ import annotations
 
 import os
+import platform
+from functools import lru_cache
 from typing import Protocol, runtime_checkable
+
+_ALLOCATION_FAILURES = ("out of memory", "oom", "alloc_failed", "failed to allocate", "resource exhausted",
+                        "cudnn_status_alloc_failed", "cublas_status_alloc_failed")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """``ResourceExhaustedError``, or an allocation failure that cuBLAS/cuDNN surface as ``InternalError``."""
+    try:
+        import tensorflow as tf
+    except ImportError:  # pragma: no cover - the engine runs with TensorFlow
+        return False
+    if isinstance(err, tf.errors.ResourceExhaustedError):
+        return True
+    if isinstance(err, tf.errors.InternalError):
+        text = str(err).lower()
+        return any(marker in text for marker in _ALLOCATION_FAILURES)
+    return False
+
+
+@lru_cache(maxsize=8)
+def device_kind(device: str) -> str:
+    """What a plan's measurements depend on: ``"GPU/<name>/cc<major.minor>"`` or ``"CPU/<model>/<cores>"``."""
+    import tensorflow as tf
+
+    if device.startswith("GPU"):
+        gpus = tf.config.list_physical_devices("GPU")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index < len(gpus):
+            details = tf.config.experimental.get_device_details(gpus[index])
+            cc = details.get("compute_capability")
+            return f"GPU/{details.get('device_name', 'unknown')}/cc{'.'.join(map(str, cc)) if cc else '?'}"
+        return "GPU/unknown"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU/{model}/{os.cpu_count()}"
 
 
 @runtime_checkable

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
 
 from worker.engine.errors import InvalidRequest, NotDifferentiable
 
@@ -15,9 +19,43 @@ def _shape_list(shape: Any) -> list[int | None] | None:
     return [None if d is None else int(d) for d in shape.as_list()]
 
 
+class CompiledChunks:
+    """This process's compiled chunk functions of one loaded model, one per ``ChunkKey`` (traced once).
+
+    Compiled functions cannot leave the process; plans (``worker.engine.plan``) carry what can.
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[Any, Any] = {}
+        self._sizes: dict[Any, set[int]] = {}
+        self._lock = threading.Lock()
+
+    def sizes(self, key: Any) -> set[int]:
+        """Chunk sizes already run with ``key`` (a new size pays a slower first call)."""
+        return self._sizes.setdefault(key, set())
+
+    def get(self, key: Any, build: Callable[[], Any]) -> Any:
+        with self._lock:
+            fn = self._fns.get(key)
+            if fn is None:
+                fn = self._fns[key] = build()
+            return fn
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._fns
+
+    def tracing_counts(self) -> dict[Any, int]:
+        """Traces made so far per key (1 for every function used: no retracing)."""
+        return {k: int(fn.experimental_get_tracing_count()) for k, fn in self._fns.items()
+                if hasattr(fn, "experimental_get_tracing_count")}
+
+
 @dataclass
 class LoadedModel:
-    """``fn(**inputs) -> dict`` is the signature's concrete function; ``loaded`` keeps it alive."""
+    """``fn(**inputs) -> dict`` is the signature's concrete function; ``loaded`` keeps it alive.
+
+    ``fingerprint`` hashes ``saved_model.pb`` and the variables index: plans are keyed by it.
+    """
 
     path: str
     signature: str
@@ -26,9 +64,9 @@ class LoadedModel:
     input_specs: dict[str, Any]
     output_specs: dict[str, Any]
     variables: dict[str, Any]
-    compiled: dict[tuple, Any] = field(default_factory=dict)
-    trials: dict[tuple, Any] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    fingerprint: str = ""
+    graph_ops: int = 0               # ops of the signature's graph and its functions: how costly pfor's trace is
+    compiled: CompiledChunks = field(default_factory=CompiledChunks)
 
     def find_variable(self, name: str) -> tuple[str, Any]:
         """The variable called ``name`` (``:0`` optional; a unique suffix such as ``kernel`` of one layer works)."""
@@ -68,7 +106,43 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
         name = v.name[:-2] if v.name.endswith(":0") else v.name
         variables.setdefault(name, v)
     return LoadedModel(path=str(path), signature=signature, loaded=loaded, fn=fn, input_specs=input_specs,
-                       output_specs=output_specs, variables=variables)
+                       output_specs=output_specs, variables=variables, fingerprint=model_fingerprint(path),
+                       graph_ops=_graph_ops(fn))
+
+
+def _graph_ops(fn: Any) -> int:
+    try:
+        graph_def = fn.graph.as_graph_def()
+    except Exception:  # noqa: BLE001 - a size estimate only
+        return 0
+    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+
+
+def model_fingerprint(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of ``saved_model.pb`` and ``variables/variables.index`` (hex, 32 characters).
+
+    A re-exported model (new graph or new weights) has another fingerprint, so its plans are misses.
+    """
+    root = Path(path)
+    parts = []
+    for rel in ("saved_model.pb", "variables/variables.index"):
+        f = root / rel
+        try:
+            st = f.stat()
+        except OSError:
+            parts.append(f"{rel}:absent")
+            continue
+        parts.append(f"{rel}:{_file_sha256(str(f), st.st_mtime_ns, st.st_size)}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+@lru_cache(maxsize=256)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def describe_signature(model: LoadedModel) -> dict[str, dict[str, dict[str, Any]]]:

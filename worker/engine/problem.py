@@ -16,6 +16,7 @@ import numpy as np
 from contracts.layout import ResultLayout
 from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
 from worker.engine.model import LoadedModel
+from worker.engine.plan import PlanKey, batch_bucketed
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 STORABLE_DTYPES = ("float16", "float32", "float64")
@@ -62,10 +63,6 @@ class Problem:
         for the same request, it skips the eager checks (the shards of a job validated by its planner)."""
         return {**_request_key(self.of, self.wrt, self.kind, self.reduce, self.inputs), "mode": self.mode,
                 "of_shape": list(self.of_shape), "wrt_shape": list(self.wrt_shape)}
-
-    def cache_key(self) -> tuple:
-        shapes = tuple(sorted((n, tuple(t.shape), t.dtype.name) for n, t in self.inputs.items()))
-        return (self.of, self.wrt, self.kind, self.mode, self.reduce, shapes)
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -288,6 +285,25 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
     if kind == "batch_jacobian" and check_independence and not trusted:
         verify_independence(problem)
     return problem
+
+
+def plan_key(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = None, wrt: str | None = None,
+             kind: str = "jacobian", mode: str = "auto", reduce: str | None = None, device: str = "CPU:0") -> PlanKey:
+    """The key of this request's plan, found without running the model (``of`` and ``wrt`` resolved
+    from the signature; raises InvalidRequest as ``build_problem`` would). A batch Jacobian's examples
+    are independent, so its batch size is bucketed: a new batch size in the bucket reuses the plan."""
+    import tensorflow as tf
+
+    from worker.engine.memory import device_kind
+
+    of, wrt = _resolve_of(model, of), _resolve_wrt(model, wrt)
+    shapes = []
+    for name, value in sorted(inputs.items()):
+        shape = tuple(int(d) for d in value.shape)
+        dtype = value.dtype.name if hasattr(value.dtype, "name") else str(value.dtype)
+        shapes.append((name, batch_bucketed(shape) if kind == "batch_jacobian" else shape, dtype))
+    return PlanKey(model=model.fingerprint, signature=model.signature, of=of, wrt=wrt, kind=kind, mode=mode,
+                   reduce=reduce, inputs=tuple(shapes), device=device_kind(device), tensorflow=tf.__version__)
 
 
 def _request_key(of: str, wrt: str, kind: str, reduce: str | None, tensors: dict[str, Any]) -> dict[str, Any]:

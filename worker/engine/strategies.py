@@ -1,13 +1,17 @@
 """Chunk functions: ``k`` rows of a Jacobian (or Hessian) from one compiled call.
 
-Every strategy maps a chunk start to ``(k,) + layout.row_shape`` rows; seeds are one-hot
-rows built inside the graph, so a chunk function is traced once per (strategy, XLA, k) and
-reused across chunks and across jobs with the same input shapes (inputs are arguments, not
-captured constants). Rows past ``rows_total`` get zero seeds: the last chunk is padded.
+Every strategy maps ``(start, k)`` to rows ``start .. start + k`` of shape ``(k,) + layout.row_shape``,
+cast on the device to the stored dtype. Seeds are one-hot rows built inside the graph from the
+shapes of the tensors themselves, and ``k`` and the inputs' free dimensions are run-time values:
+one trace per strategy serves every chunk size and every batch size the signature accepts, across
+jobs (inputs are arguments, not captured constants). XLA compiles once per distinct ``k``; its
+callers pad ``k`` to a power of two and slice on the device. Rows past ``rows_total`` get zero seeds.
 
-- ``vectorized``: ``tf.vectorized_map`` (pfor) over VJPs (reverse) or JVPs (forward).
 - ``tiled``: tile every input ``k`` times on the batch axis and push all ``k`` seeds through one
-  batched pass; valid only when examples are independent (checked against ``vectorized``).
+  batched pass: the model's own batched kernels, a cheap trace, more memory per row; valid only
+  when examples are independent (the runner checks rows against the eager reference).
+- ``vectorized``: ``tf.vectorized_map`` (pfor) over VJPs (reverse) or JVPs (forward): less memory
+  per row, an expensive trace on large graphs.
 - ``loop``: one compiled single-row function called ``k`` times (when pfor cannot convert an op).
 - ``eager``: the same row by row without ``tf.function`` (when graph mode cannot differentiate
   the model, e.g. loop bodies that read variables of a loaded SavedModel).
@@ -16,59 +20,102 @@ captured constants). Rows past ``rows_total`` get zero seeds: the last chunk is 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from worker.engine import pfor_patches
+from worker.engine.plan import parse_label
 from worker.engine.problem import Problem
 
-STRATEGIES = ("tiled", "vectorized", "loop", "eager")
+BASE_STRATEGIES = ("tiled", "vectorized", "loop", "eager")
 
 
 def is_applicable(problem: Problem, strategy: str) -> bool:
-    """Whether ``strategy`` can express ``problem`` at all."""
-    if strategy != "tiled":
+    """Whether ``strategy`` (a base name or a label such as ``"tiled+xla"``) can express ``problem``."""
+    name, xla = parse_label(strategy)
+    if xla and name not in ("tiled", "vectorized"):
+        return False
+    if name != "tiled":
         return True
     if problem.kind == "hessian" or problem.wrt_variable is not None or not problem.of_shape:
         return False
     batch = problem.of_shape[0]
-    return all(len(t.shape) >= 1 and int(t.shape[0]) == batch for t in problem.inputs.values())
+    specs = problem.model.input_specs
+    return all(len(t.shape) >= 1 and int(t.shape[0]) == batch for t in problem.inputs.values()) and all(
+        s.shape.rank is not None and s.shape.rank >= 1 and s.shape[0] is None for s in specs.values())
 
 
-def _seeds(tf: Any, problem: Problem, start: Any, k: int) -> Any:
-    dtype = problem.compute_dtype if problem.mode == "reverse" or problem.kind == "hessian" else (
-        problem.inputs[problem.wrt].dtype.name if problem.wrt_variable is None else problem.wrt_variable.dtype.name)
+@dataclass(frozen=True)
+class ChunkKey:
+    """One compiled chunk function of a loaded model: the request, the strategy, the input dtypes."""
+
+    of: str
+    wrt: str
+    kind: str
+    mode: str
+    reduce: str | None
+    strategy: str
+    xla: bool
+    out_dtype: str
+    inputs: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of_problem(cls, problem: Problem, strategy: str, xla: bool) -> ChunkKey:
+        inputs = tuple(sorted((n, t.dtype.name) for n, t in problem.inputs.items()))
+        return cls(problem.of, problem.wrt, problem.kind, problem.mode, problem.reduce, strategy, xla,
+                   problem.dtype, inputs)
+
+
+def _seed_dtype(problem: Problem) -> str:
+    """Cotangents take ``of``'s dtype; tangents and Hessian-vector seeds take ``wrt``'s."""
+    if problem.mode == "reverse" and problem.kind != "hessian":
+        return problem.compute_dtype
+    var = problem.wrt_variable
+    return (var.dtype if var is not None else problem.inputs[problem.wrt].dtype).name
+
+
+def _seeds(tf: Any, problem: Problem, like_shape: Any, start: Any, k: Any) -> Any:
+    """``(k,) + like_shape`` one-hot seeds for rows ``start .. start + k`` (dynamic shapes).
+
+    For a batch Jacobian the one-hot runs over the features and is broadcast over the examples.
+    """
+    dtype = _seed_dtype(problem)
     idx = start + tf.range(k, dtype=tf.int64)
-    onehot = tf.one_hot(idx, depth=problem.rows_total, dtype=dtype)
-    shape = problem.seed_shape
+    like_shape = tf.cast(like_shape, tf.int64)
     if problem.kind == "batch_jacobian":
-        onehot = tf.reshape(onehot, (k, 1) + shape[1:])
-        return tf.broadcast_to(onehot, (k,) + shape)
-    return tf.reshape(onehot, (k,) + shape)
+        depth = tf.cast(tf.reduce_prod(like_shape[1:]), tf.int32)
+        onehot = tf.reshape(tf.one_hot(idx, depth=depth, dtype=dtype), tf.concat([[k, 1], like_shape[1:]], 0))
+        return tf.broadcast_to(onehot, tf.concat([[k], like_shape], 0))
+    depth = tf.cast(tf.reduce_prod(like_shape), tf.int32)
+    return tf.reshape(tf.one_hot(idx, depth=depth, dtype=dtype), tf.concat([[k], like_shape], 0))
 
 
 def _dense(tf: Any, g: Any) -> Any:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> Callable[[Any], Any]:
-    """``one_row(seed)`` against ``inputs`` (used by vectorized, loop and eager)."""
-    fn, of, var = problem.model.fn, problem.of, problem.wrt_variable
-    target = var if var is not None else inputs[problem.wrt]
+def _target(problem: Problem, inputs: dict[str, Any]) -> Any:
+    var = problem.wrt_variable
+    return var if var is not None else inputs[problem.wrt]
+
+
+def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Callable[[Any], Any]]:
+    """``(shape of one seed, one_row(seed))`` against ``inputs`` (vectorized, loop and eager)."""
+    fn, of = problem.model.fn, problem.of
+    target = _target(problem, inputs)
 
     def scalar(y: Any) -> Any:
         return tf.reduce_sum(y) if problem.reduce == "sum" else y
 
     if problem.kind == "hessian" and problem.mode == "forward":
-        def one(v: Any) -> Any:
+        def hvp_forward(v: Any) -> Any:
             with tf.autodiff.ForwardAccumulator(target, v) as acc:
                 with tf.GradientTape() as tape:
                     tape.watch(target)
                     s = scalar(fn(**inputs)[of])
                 g = _dense(tf, tape.gradient(s, target))
             return acc.jvp(g, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return one
+        return tf.shape(target), hvp_forward
 
     if problem.kind == "hessian":
         outer = tf.GradientTape(persistent=True)
@@ -78,82 +125,103 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> Callable[[Any]
                 inner.watch(target)
                 s = scalar(fn(**inputs)[of])
             g = _dense(tf, inner.gradient(s, target))
-        return lambda v: _dense(tf, outer.gradient(g, target, output_gradients=v))
+        return tf.shape(target), lambda v: _dense(tf, outer.gradient(g, target, output_gradients=v))
 
     if problem.mode == "forward":
-        def one(t: Any) -> Any:
+        def jvp(t: Any) -> Any:
             with tf.autodiff.ForwardAccumulator(target, t) as acc:
                 y = fn(**inputs)[of]
             return acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return one
+        return tf.shape(target), jvp
 
-    tape = tf.GradientTape(persistent=True)
+    # Eagerly (reference rows) a tape serves one row: non-persistent, like build_problem's probe, so
+    # that TensorFlow reuses the backward function it built for the probe (a persistent tape makes it
+    # build another: 3 s on MobileNetV3Small). In a graph, pfor may take the gradient more than once.
+    tape = tf.GradientTape(persistent=not tf.executing_eagerly())
     with tape:
         tape.watch(target)
         y = fn(**inputs)[of]
-    return lambda v: _dense(tf, tape.gradient(y, target, output_gradients=v))
+    return tf.shape(y), lambda v: _dense(tf, tape.gradient(y, target, output_gradients=v))
 
 
-def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], seeds: Any, k: int) -> Any:
-    batch = problem.of_shape[0]
-    tiled = {n: tf.tile(t, [k] + [1] * (len(t.shape) - 1)) for n, t in inputs.items()}
+def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any) -> Any:
+    """All ``k`` seeds in one pass over the inputs tiled ``k`` times on the batch axis."""
+    k32 = tf.cast(k, tf.int32)
+    tiled = {n: tf.tile(t, tf.concat([[k32], tf.ones([tf.rank(t) - 1], tf.int32)], 0)) for n, t in inputs.items()}
     x = tiled[problem.wrt]
-    flat = tf.reshape(seeds, (k * batch,) + tuple(seeds.shape[2:]))
+    batch = tf.shape(inputs[problem.wrt])[:1]
     if problem.mode == "forward":
-        with tf.autodiff.ForwardAccumulator(x, flat) as acc:
+        seeds = _seeds(tf, problem, tf.shape(inputs[problem.wrt]), start, k)
+        with tf.autodiff.ForwardAccumulator(x, tf.reshape(seeds, tf.shape(x))) as acc:
             y = problem.model.fn(**tiled)[problem.of]
         out = acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    else:
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = problem.model.fn(**tiled)[problem.of]
-        out = tape.gradient(y, x, output_gradients=flat)
-    return tf.reshape(out, (k,) + problem.layout.row_shape)
+        return tf.reshape(out, tf.concat([[k32], batch, tf.shape(y)[1:]], 0))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = problem.model.fn(**tiled)[problem.of]
+    seeds = _seeds(tf, problem, tf.concat([batch, tf.shape(y)[1:]], 0), start, k)
+    out = tape.gradient(y, x, output_gradients=tf.reshape(seeds, tf.shape(y)))
+    return tf.reshape(out, tf.concat([[k32], batch, tf.shape(x)[1:]], 0))
 
 
-def _batched(tf: Any, problem: Problem, strategy: str, k: int) -> Callable[[Any, dict[str, Any]], Any]:
-    def body(start: Any, inputs: dict[str, Any]) -> Any:
-        seeds = _seeds(tf, problem, start, k)
+def _body(tf: Any, problem: Problem, strategy: str) -> Callable[[Any, Any, dict[str, Any]], Any]:
+    def body(start: Any, k: Any, inputs: dict[str, Any]) -> Any:
         if strategy == "tiled":
-            return _tiled(tf, problem, inputs, seeds, k)
-        one = _row_fn(tf, problem, inputs)
-        if strategy == "vectorized":
-            return tf.vectorized_map(one, seeds, fallback_to_while_loop=False)
-        return tf.stack([one(seeds[i]) for i in range(k)])
+            rows = _tiled(tf, problem, inputs, start, k)
+        else:
+            like, one = _row_fn(tf, problem, inputs)
+            seeds = _seeds(tf, problem, like, start, k)
+            if strategy == "vectorized":
+                rows = tf.vectorized_map(one, seeds, fallback_to_while_loop=False)
+            else:  # loop and eager: one row per call
+                rows = tf.expand_dims(one(seeds[0]), 0)
+        return tf.cast(rows, problem.dtype)
     return body
 
 
-def chunk_function(problem: Problem, strategy: str, *, xla: bool = False, k: int) -> Callable[[int], np.ndarray]:
-    """A callable ``start -> rows`` of shape ``(k,) + row_shape`` for ``strategy`` (cached per model)."""
+def chunk_function(problem: Problem, label: str) -> Callable[[int, int], Any]:
+    """``(start, k) -> rows``: a tensor of shape ``(k,) + row_shape`` in ``problem.dtype``.
+
+    ``label`` is a strategy, ``+xla`` for XLA. Compiled functions are cached on the loaded model
+    (``model.compiled``) and shared by every problem with the same request and input dtypes.
+    """
     import tensorflow as tf
 
-    if strategy == "eager":
-        def eager(start: int) -> np.ndarray:
-            rows = [_batched(tf, problem, "loop", 1)(tf.constant(start + i, tf.int64), problem.inputs)
-                    for i in range(k)]
-            return tf.concat(rows, axis=0).numpy()
+    name, xla = parse_label(label)
+    if name == "eager":
+        body = _body(tf, problem, "eager")
+
+        def eager(start: int, k: int) -> Any:
+            return tf.concat([body(tf.constant(start + i, tf.int64), tf.constant(1, tf.int64), problem.inputs)
+                              for i in range(k)], axis=0)
         return eager
-    if strategy == "loop":
-        one = _compiled(tf, problem, "loop", xla, 1)
+    compiled = _compiled(tf, problem, name, xla)
+    if name == "loop":
+        one = tf.constant(1, tf.int64)
 
-        def loop(start: int) -> np.ndarray:
-            return np.concatenate([one(tf.constant(start + i, tf.int64), problem.inputs).numpy() for i in range(k)])
+        def loop(start: int, k: int) -> Any:
+            return tf.concat([compiled(tf.constant(start + i, tf.int64), one, problem.inputs) for i in range(k)],
+                             axis=0)
         return loop
-    compiled = _compiled(tf, problem, strategy, xla, k)
-    return lambda start: compiled(tf.constant(start, tf.int64), problem.inputs).numpy()
+    return lambda start, k: compiled(tf.constant(start, tf.int64), tf.constant(k, tf.int64), problem.inputs)
 
 
-def _compiled(tf: Any, problem: Problem, strategy: str, xla: bool, k: int) -> Any:
+def is_compiled(problem: Problem, label: str) -> bool:
+    """Whether this process has traced ``label`` for ``problem``'s request already."""
+    name, xla = parse_label(label)
+    return name == "eager" or ChunkKey.of_problem(problem, name, xla) in problem.model.compiled
+
+
+def _compiled(tf: Any, problem: Problem, strategy: str, xla: bool) -> Any:
     pfor_patches.install()
-    key = (problem.cache_key(), strategy, xla, k)
-    with problem.model.lock:
-        fn = problem.model.compiled.get(key)
-        if fn is None:
-            spec = {n: tf.TensorSpec(t.shape, t.dtype) for n, t in problem.inputs.items()}
-            # A partial has no __code__: TensorFlow's frequent-retracing detector then keys on this
-            # function alone, not on the body shared by every (strategy, k); each is traced once.
-            body = functools.partial(_batched(tf, problem, strategy, k))
-            fn = tf.function(body, jit_compile=xla, reduce_retracing=False,
-                             input_signature=[tf.TensorSpec([], tf.int64), spec])
-            problem.model.compiled[key] = fn
-    return fn
+
+    def build() -> Any:
+        # The signature's own input specs: free dimensions stay free, so one trace serves every batch size.
+        spec = {n: tf.TensorSpec(s.shape, s.dtype) for n, s in problem.model.input_specs.items()}
+        # A partial has no __code__: TensorFlow's frequent-retracing detector then keys on this
+        # function alone, not on the body shared by every strategy.
+        body = functools.partial(_body(tf, problem, strategy))
+        return tf.function(body, jit_compile=xla, reduce_retracing=False,
+                           input_signature=[tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), spec])
+
+    return problem.model.compiled.get(ChunkKey.of_problem(problem, strategy, xla), build)

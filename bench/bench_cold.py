@@ -1,0 +1,143 @@
+"""Whole processes, as a new user runs them: ``jacobian compute`` against a tape.jacobian script.
+
+MobileNetV3Small (weights=None), 1000 logits w.r.t. one 224x224x3 image: the full Jacobian
+(1, 1000, 1, 224, 224, 3), 602 MB. Each run, in this order:
+  peer   ``python bench/peer_tape_jacobian.py`` (load, ``tape.jacobian(parallel_iterations=64)``, np.save)
+  cold   ``jacobian compute`` with an empty ``JACOBIAN_CACHE_DIR`` (a new user, a new machine)
+  warm   ``jacobian compute`` again with that cache (the plan from the cold run)
+Wall time from process start to exit and peak RSS (``wait4``'s ru_maxrss) of each process; our
+rows are compared with the peer's (relative 1e-4). Goals (issue 10): peer/cold >= 2.5, peer/warm
+>= 4, each of ours at most 0.5x the peer's peak RSS. Steady-state figures are printed beside.
+
+Run: .venv/bin/python -m bench.bench_cold [--runs 3] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import assert_same, emit, machine
+from tests.procs import base_env, jacobian_exe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def timed_process(cmd: list[str], env: dict[str, str]) -> dict:
+    """Run ``cmd`` to completion: wall seconds, peak RSS (MiB), exit code, stdout and stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    # communicate() has reaped the child; its rusage is folded into RUSAGE_CHILDREN's maximum, so each
+    # process runs under /usr/bin/time-like accounting through a wrapper instead.
+    return {"wall_s": round(wall, 2), "rc": proc.returncode, "stdout": out, "stderr": err}
+
+
+def with_rss(cmd: list[str]) -> list[str]:
+    """``cmd`` under a tiny wrapper that prints the child's peak RSS (wait4) as the last stderr line."""
+    wrapper = ("import os,sys,subprocess;p=subprocess.Popen(sys.argv[1:]);"
+               "_,st,ru=os.wait4(p.pid,0);sys.stderr.write('\\nPEAK_RSS_KB %d\\n'%ru.ru_maxrss);"
+               "sys.exit(os.waitstatus_to_exitcode(st))")
+    return [sys.executable, "-c", wrapper, *cmd]
+
+
+def run(cmd: list[str], env: dict[str, str], what: str) -> dict:
+    res = timed_process(with_rss(cmd), env)
+    m = re.search(r"PEAK_RSS_KB (\d+)", res["stderr"])
+    res["peak_rss_mib"] = round(int(m.group(1)) / 1024) if m else None
+    if res["rc"] != 0:
+        raise SystemExit(f"{what} failed (exit {res['rc']}):\n{res['stderr'][-3000:]}")
+    return res
+
+
+def plan_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(("plan:", "done:", "job "))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = ap.parse_args()
+
+    from tests import models
+
+    work = Path(tempfile.mkdtemp(prefix="bench-cold-"))
+    model_dir = models.mobilenet_v3_small(work / "mnv3")
+    x = np.random.default_rng(0).standard_normal((1, 224, 224, 3)).astype("float32")
+    np.savez(work / "inputs.npz", image=x)
+    env = base_env()
+    rows: list[dict] = []
+    figures: dict[str, list] = {"peer": [], "cold": [], "warm": []}
+    peer_out = work / "peer.npy"
+    for i in range(args.runs):
+        peer = run([sys.executable, str(REPO / "bench" / "peer_tape_jacobian.py"), str(model_dir),
+                    str(work / "inputs.npz"), str(peer_out), "--of", "logits", "--wrt", "image"], env, "peer")
+        peer_json = json.loads(peer["stdout"].strip().splitlines()[-1])
+        cache = work / f"cache{i}"
+        results = {}
+        for phase in ("cold", "warm"):
+            job = f"{phase}{i}"
+            res = run([*jacobian_exe(), "compute", "--model", str(model_dir), "--input", str(work / "inputs.npz"),
+                       "--of", "logits", "--out", str(work / "results"), "--job-id", job],
+                      {**env, "JACOBIAN_CACHE_DIR": str(cache)}, f"jacobian compute ({phase})")
+            results[phase] = res
+            import zarr
+
+            ours = np.asarray(zarr.open_array(str(work / "results" / job / "jacobian.zarr"), mode="r")[:])
+            want = np.load(peer_out)
+            assert_same(ours, want, f"{phase} run {i}: ours vs tape.jacobian")
+            shutil.rmtree(work / "results" / job)
+        figures["peer"].append(peer)
+        figures["cold"].append(results["cold"])
+        figures["warm"].append(results["warm"])
+        row = {"run": i + 1, "peer_s": peer["wall_s"], "peer_rss_MiB": peer["peak_rss_mib"],
+               "peer_jacobian_s": peer_json["jacobian_s"],
+               "cold_s": results["cold"]["wall_s"], "cold_rss_MiB": results["cold"]["peak_rss_mib"],
+               "warm_s": results["warm"]["wall_s"], "warm_rss_MiB": results["warm"]["peak_rss_mib"],
+               "peer/cold": round(peer["wall_s"] / results["cold"]["wall_s"], 2),
+               "peer/warm": round(peer["wall_s"] / results["warm"]["wall_s"], 2),
+               "cold_rss/peer": round(results["cold"]["peak_rss_mib"] / peer["peak_rss_mib"], 3),
+               "warm_rss/peer": round(results["warm"]["peak_rss_mib"] / peer["peak_rss_mib"], 3)}
+        print(row, flush=True)
+        for phase in ("cold", "warm"):
+            for line in plan_lines(results[phase]["stderr"])[-3:]:
+                print(f"  {phase}: {line[:300]}")
+        rows.append(row)
+
+    def med(key: str) -> float:
+        return round(statistics.median(r[key] for r in rows), 3)
+
+    rows += [
+        {"ratio": "peer wall / ours cold wall (median)", "value": med("peer/cold"), "goal": ">= 2.5"},
+        {"ratio": "peer wall / ours warm wall (median)", "value": med("peer/warm"), "goal": ">= 4"},
+        {"ratio": "ours cold peak RSS / peer's (median)", "value": med("cold_rss/peer"), "goal": "<= 0.5"},
+        {"ratio": "ours warm peak RSS / peer's (median)", "value": med("warm_rss/peer"), "goal": "<= 0.5"},
+        {"steady": "peer tape.jacobian call alone (s, median)", "value": med("peer_jacobian_s")},
+        {"steady": "ours: last plan lines of the warm run",
+         "value": plan_lines(figures["warm"][-1]["stderr"])[-1][:400]},
+    ]
+    print(machine())
+    emit("cold_start_mobilenet_v3_small", rows, args.out)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print("kept", work)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    main()

@@ -1,0 +1,180 @@
+"""Plans that persist: what the engine learnt about one request on one kind of device (JSON).
+
+A ``Plan`` says which strategy runs a request's chunks and keeps, per strategy it has met, whether
+it works and agrees with the eager reference, what compiling it cost, and its measured time and
+peak memory as lines in chunk rows. It also keeps the checks ``build_problem`` made (so a later
+job skips them) and how many compute seconds jobs under it have spent, which is what a strategy
+trial may cost (see ``worker.engine.tuning``). It is keyed by a ``PlanKey``: model fingerprint,
+signature, request, input shapes (batch size bucketed where examples are independent), device
+kind and TensorFlow version; any change of these is another key, never a wrong plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from worker.engine.planner import LinearFit, bucket_rows
+
+PLAN_FORMAT = 2  # bump when the meaning of a stored plan changes: older plans become misses
+
+
+def strategy_label(name: str, xla: bool) -> str:
+    """``"vectorized", True`` -> ``"vectorized+xla"``."""
+    return name + ("+xla" if xla else "")
+
+
+def parse_label(label: str) -> tuple[str, bool]:
+    """``"vectorized+xla"`` -> ``("vectorized", True)``."""
+    name, _, flag = label.partition("+")
+    return name, flag == "xla"
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a plan depends on; ``digest`` names it in a cache."""
+
+    model: str                                    # fingerprint of saved_model.pb and the variables index
+    signature: str
+    of: str
+    wrt: str
+    kind: str
+    mode: str                                     # as requested ("auto" stays "auto")
+    reduce: str | None
+    inputs: tuple[tuple[str, tuple[int, ...], str], ...]   # name, shape (batch bucketed), dtype
+    device: str                                   # e.g. "CPU/Intel Xeon .../2" or "GPU/NVIDIA H100 .../cc9.0"
+    tensorflow: str
+    format: int = PLAN_FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["inputs"] = [[n, list(s), d] for n, s, d in self.inputs]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PlanKey:
+        inputs = tuple((str(n), tuple(int(d) for d in s), str(t)) for n, s, t in data["inputs"])
+        return cls(**{**data, "inputs": inputs})
+
+    @property
+    def digest(self) -> str:
+        return _digest(self.to_json())
+
+    @property
+    def family(self) -> str:
+        """The same request on other input shapes: where a default strategy may come from."""
+        return _digest({k: v for k, v in self.to_json().items() if k != "inputs"})
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def batch_bucketed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with its leading (batch) dimension rounded up to a power of two."""
+    return (bucket_rows(shape[0]),) + tuple(shape[1:]) if shape else shape
+
+
+@dataclass
+class StrategyRecord:
+    """What is known of one strategy (``"tiled"``, ``"vectorized+xla"``, ...) for a plan's request."""
+
+    status: str = "untried"          # "ok" | "failed" | "disagrees" | "too_much_memory" | "untried"
+    reason: str | None = None
+    verified: bool = False           # its rows matched the eager reference rows
+    compile_s: float | None = None   # first call minus a steady call of the same size
+    memory: LinearFit | None = None  # peak bytes of a chunk, in rows
+    seconds: LinearFit | None = None  # seconds of a chunk, in rows
+    rates: dict[int, float] = field(default_factory=dict)   # rows/s measured per chunk size
+    preferred_rows: int | None = None  # the smallest chunk within a few % of the best rows/s
+    batch: int | None = None         # the batch size the fits were measured at
+
+    @property
+    def usable(self) -> bool:
+        return self.status in ("ok", "untried")
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["memory"] = None if self.memory is None else [self.memory.fixed, self.memory.per_row]
+        out["seconds"] = None if self.seconds is None else [self.seconds.fixed, self.seconds.per_row]
+        out["rates"] = {str(k): v for k, v in self.rates.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StrategyRecord:
+        memory, seconds = data.get("memory"), data.get("seconds")
+        return cls(status=data.get("status", "untried"), reason=data.get("reason"),
+                   verified=bool(data.get("verified")), compile_s=data.get("compile_s"),
+                   memory=None if memory is None else LinearFit(float(memory[0]), float(memory[1])),
+                   seconds=None if seconds is None else LinearFit(float(seconds[0]), float(seconds[1])),
+                   rates={int(k): float(v) for k, v in (data.get("rates") or {}).items()},
+                   preferred_rows=data.get("preferred_rows"), batch=data.get("batch"))
+
+    def memory_at(self, batch: int | None) -> LinearFit | None:
+        """The memory line for ``batch`` examples: scaled up from the batch it was measured at."""
+        if self.memory is None or not batch or not self.batch or batch <= self.batch:
+            return self.memory
+        scale = batch / self.batch
+        return LinearFit(self.memory.fixed * scale, self.memory.per_row * scale)
+
+    def best_rate(self) -> float | None:
+        return max(self.rates.values()) if self.rates else None
+
+
+@dataclass
+class Plan:
+    """The strategy a request runs with and what was learnt about it; see the module docstring.
+
+    ``source`` says where the strategy came from: ``default`` (by kind and model structure, or a
+    similar request's choice), ``cache`` (a stored plan), ``trial`` (chosen by an interleaved
+    comparison in this run) or ``pinned`` (asked for by the caller).
+    """
+
+    strategy: str
+    key: PlanKey | None = None
+    source: str = "default"
+    strategies: dict[str, StrategyRecord] = field(default_factory=dict)
+    checked: dict[str, Any] | None = None
+    refined: bool = False            # every alternative worth a trial was tried, or ruled out
+    work_s: float = 0.0              # compute seconds of every job run under this plan
+    jobs: int = 0
+    updated_at: float = field(default_factory=time.time)
+
+    def record(self, label: str) -> StrategyRecord:
+        if label not in self.strategies:
+            self.strategies[label] = StrategyRecord()
+        return self.strategies[label]
+
+    @property
+    def current(self) -> StrategyRecord:
+        return self.record(self.strategy)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": PLAN_FORMAT, "strategy": self.strategy, "source": self.source,
+                "key": None if self.key is None else self.key.to_json(),
+                "strategies": {k: v.to_json() for k, v in self.strategies.items()},
+                "checked": self.checked, "refined": self.refined, "work_s": round(self.work_s, 6),
+                "jobs": self.jobs, "updated_at": self.updated_at}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        """Raises ``ValueError`` for a plan of another format (callers treat it as a miss)."""
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"plan format {data.get('format')!r} is not {PLAN_FORMAT}")
+        key = data.get("key")
+        return cls(strategy=str(data["strategy"]), source=str(data.get("source", "cache")),
+                   key=None if key is None else PlanKey.from_json(key),
+                   strategies={k: StrategyRecord.from_json(v) for k, v in (data.get("strategies") or {}).items()},
+                   checked=data.get("checked"), refined=bool(data.get("refined")),
+                   work_s=float(data.get("work_s") or 0.0), jobs=int(data.get("jobs") or 0),
+                   updated_at=float(data.get("updated_at") or time.time()))
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> Plan:
+        return cls.from_json(json.loads(text))

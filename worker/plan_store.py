@@ -1,0 +1,61 @@
+"""Plans shared by every worker of a service through Redis, in front of each worker's cache folder."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+
+from worker.engine.plan import Plan, PlanKey
+from worker.engine.plan_cache import DiskPlanCache, PlanCache, TieredPlanCache, _checked_plan
+
+log = logging.getLogger(__name__)
+
+
+class RedisPlanCache:
+    """``jacobian:plan:{digest}`` holds a plan (JSON), ``jacobian:plan-family:{family}`` the strategy
+    of the last plan of that family. Plans expire after ``ttl_s`` unused (each read renews them).
+    Redis errors are misses: a cache never fails a job."""
+
+    plan_key_template = "jacobian:plan:{digest}"
+    family_key_template = "jacobian:plan-family:{family}"
+
+    def __init__(self, connection: Any, *, ttl_s: int = 30 * 24 * 3600) -> None:
+        self.connection = connection
+        self.ttl_s = ttl_s
+
+    def get(self, key: PlanKey) -> Plan | None:
+        name = self.plan_key_template.format(digest=key.digest)
+        try:
+            with self.connection.pipeline() as pipe:
+                pipe.get(name)
+                pipe.expire(name, self.ttl_s)
+                raw, _ = pipe.execute()
+        except redis.RedisError as err:
+            log.warning("plan %s: Redis unreachable (%s); planning without it", key.digest, err)
+            return None
+        return _checked_plan(raw, key, "redis")
+
+    def put(self, plan: Plan) -> None:
+        if plan.key is None:
+            return
+        try:
+            with self.connection.pipeline() as pipe:
+                pipe.set(self.plan_key_template.format(digest=plan.key.digest), plan.dumps(), ex=self.ttl_s)
+                pipe.set(self.family_key_template.format(family=plan.key.family), plan.strategy, ex=self.ttl_s)
+                pipe.execute()
+        except redis.RedisError as err:
+            log.warning("plan %s: not stored in Redis (%s)", plan.key.digest, err)
+
+    def family_strategy(self, key: PlanKey) -> str | None:
+        try:
+            raw = self.connection.get(self.family_key_template.format(family=key.family))
+        except redis.RedisError:
+            return None
+        return raw.decode() if raw else None
+
+
+def worker_plan_cache(connection: Any, cache_dir: str | None) -> PlanCache:
+    """Redis first (shared by the service's workers), then this worker's cache folder."""
+    return TieredPlanCache(RedisPlanCache(connection), DiskPlanCache(cache_dir))
