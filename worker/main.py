@@ -147,6 +147,9 @@ def configure_devices() -> None:
     """
     import sys
 
+    from worker.engine.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()
     gpu = os.environ.get("JACOBIAN_GPU")
     os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -83,6 +83,9 @@ class LoadedModel:
 
 def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
     """Load ``signature`` of the SavedModel at ``path`` (raises InvalidRequest naming the field)."""
+    from worker.engine.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()
     import tensorflow as tf
 
     try:

@@ -84,7 +84,8 @@ class StrategyRecord:
 
     status: str = "untried"          # "ok" | "failed" | "disagrees" | "too_much_memory" | "untried"
     reason: str | None = None
-    verified: bool = False           # its rows matched the eager reference rows
+    verified: bool = False           # its rows matched the eager reference rows (at some chunk size)
+    verified_rows: list[int] = field(default_factory=list)   # the chunk sizes whose rows were checked
     compile_s: float | None = None   # first call minus a steady call of the same size
     memory: LinearFit | None = None  # peak bytes of a chunk, in rows
     seconds: LinearFit | None = None  # seconds of a chunk, in rows
@@ -108,6 +109,7 @@ class StrategyRecord:
         memory, seconds = data.get("memory"), data.get("seconds")
         return cls(status=data.get("status", "untried"), reason=data.get("reason"),
                    verified=bool(data.get("verified")), compile_s=data.get("compile_s"),
+                   verified_rows=[int(k) for k in data.get("verified_rows") or []],
                    memory=None if memory is None else LinearFit(float(memory[0]), float(memory[1])),
                    seconds=None if seconds is None else LinearFit(float(seconds[0]), float(seconds[1])),
                    rates={int(k): float(v) for k, v in (data.get("rates") or {}).items()},

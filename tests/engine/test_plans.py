@@ -1,0 +1,158 @@
+"""Plans that persist: cache hits and misses, no trial for a short job, a trial when it pays, and the
+function at the production chunk size checked against eager rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import models
+from tests.engine.conftest import rand
+from tests.engine.reference import tape_jacobian
+from worker.engine import DiskPlanCache, build_problem, load_model, run_problem
+from worker.engine.planning import prepare
+
+
+def _prepare(model, inputs, cache, **kw):
+    return prepare(model, inputs, cache=cache, device="CPU:0", **kw)
+
+
+def _run_and_store(model, inputs, cache, **kw):
+    problem, plan = _prepare(model, inputs, cache, **kw)
+    report = run_problem(problem, plan=plan)
+    cache.put(report.learned)
+    return problem, plan, report
+
+
+@pytest.fixture
+def mlp_model(tmp_path):
+    return load_model(str(models.mlp(tmp_path / "mlp")))
+
+
+def test_a_stored_plan_is_found_and_spares_the_eager_checks(mlp_model, tmp_path, monkeypatch):
+    cache = DiskPlanCache(tmp_path / "cache")
+    inputs = {"x": rand((3, 8))}
+    _, first, _ = _run_and_store(mlp_model, inputs, cache)
+    assert first.source == "default"
+    import worker.engine.problem as problem_module
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the eager probe ran although the plan's checks were cached")
+
+    monkeypatch.setattr(problem_module, "_check_request", no_probe)
+    problem, plan = _prepare(mlp_model, {"x": rand((3, 8), seed=1)}, cache)
+    assert plan.source == "cache" and plan.key == first.key and plan.jobs == 1
+    assert plan.current.verified_rows and plan.current.rates
+    got = {}
+    report = run_problem(problem, plan=plan, on_chunk=lambda s, r: got.update({s: r}))
+    assert report.plan["source"] == "cache" and report.plan["trial"] is None
+    rows = np.concatenate([got[s] for s in sorted(got)])
+    want = tape_jacobian(mlp_model, {"x": rand((3, 8), seed=1)}, "y", "x").reshape(rows.shape)
+    np.testing.assert_allclose(rows, want, atol=1e-5)
+
+
+def test_a_changed_model_file_tensorflow_version_or_device_kind_is_a_miss(mlp_model, tmp_path, monkeypatch):
+    cache = DiskPlanCache(tmp_path / "cache")
+    inputs = {"x": rand((3, 8))}
+    _run_and_store(mlp_model, inputs, cache)
+    assert _prepare(mlp_model, inputs, cache)[1].source == "cache"
+
+    # device kind: the same request planned for another device is a miss
+    assert _prepare(mlp_model, inputs, cache, )[1].key.device.startswith("CPU/")
+    problem, plan = prepare(mlp_model, inputs, cache=cache, device="GPU:0")
+    assert plan.source == "default" and plan.key.device.startswith("GPU")
+
+    # TensorFlow version
+    import tensorflow as tf
+
+    monkeypatch.setattr(tf, "__version__", "9.99.0")
+    assert _prepare(mlp_model, inputs, cache)[1].source == "default"
+    monkeypatch.undo()
+    assert _prepare(mlp_model, inputs, cache)[1].source == "cache"
+
+    # a re-exported model (same architecture, other weights): a new fingerprint
+    import keras
+
+    keras.utils.set_random_seed(7)
+    x = keras.Input((8,), name="x")
+    h = keras.layers.Dense(16, activation="tanh", name="d0")(x)
+    keras.Model(x, {"y": keras.layers.Dense(4, name="out")(h)}).export(str(tmp_path / "mlp"), verbose=False)
+    reloaded = load_model(str(tmp_path / "mlp"))
+    assert reloaded.fingerprint != mlp_model.fingerprint
+    assert _prepare(reloaded, inputs, cache)[1].source == "default"
+
+
+def test_an_unreadable_plan_file_is_a_miss_not_an_error(mlp_model, tmp_path):
+    cache = DiskPlanCache(tmp_path / "cache")
+    inputs = {"x": rand((3, 8))}
+    _, plan, _ = _run_and_store(mlp_model, inputs, cache)
+    path = tmp_path / "cache" / "plans" / f"{plan.key.digest}.json"
+    path.write_text("{not json")
+    assert _prepare(mlp_model, inputs, cache)[1].source == "default"
+
+
+def test_a_short_job_starts_at_once_without_a_trial(loaded):
+    model = loaded("cnn")
+    problem = build_problem(model, {"image": rand((2, 8, 8, 3))})
+    report = run_problem(problem)
+    assert report.plan["trial"] is None and report.learned.source == "default"
+    tried = {label for label, r in report.learned.strategies.items() if r.status != "untried"}
+    assert tried == {report.plan["strategy"]}  # one strategy compiled and run, no other
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return load_model(str(models.mlp(tmp_path_factory.mktemp("wide") / "mlp", sizes=(64, 256, 256, 64))))
+
+
+def test_a_trial_runs_when_earlier_jobs_of_the_plan_pay_for_it(wide):
+    inputs = {"x": rand((32, 64))}
+    problem = build_problem(wide, inputs)            # 2048 rows
+    first = run_problem(problem, try_xla=False)      # no history: no trial
+    assert first.plan["trial"] is None
+    plan = first.learned
+    plan.work_s = 1e6                                # as if many jobs had run under this plan
+    second = run_problem(problem, plan=plan, try_xla=False)
+    trial = second.plan["trial"]
+    assert trial is not None and trial["candidate"] == "tiled" and trial["winner"] in ("tiled", "vectorized")
+    assert "ratio" in trial and second.learned.strategies["tiled"].status == "ok"
+    assert second.learned.refined  # nothing left to try without XLA
+
+
+def test_the_function_at_the_production_size_is_checked_against_eager_rows(loaded, monkeypatch):
+    """A strategy right at small chunks but wrong at 16 rows and more: the check at the production
+    size catches it, the job falls back and its rows are right."""
+    import worker.engine.runner as runner
+
+    real = runner.chunk_function
+
+    def wrong_when_large(problem, label):
+        fn = real(problem, label)
+        if label != "vectorized":
+            return fn
+        return lambda start, k: fn(start, k) * (1.5 if k >= 16 else 1.0)
+
+    monkeypatch.setattr(runner, "chunk_function", wrong_when_large)
+    model = loaded("cnn")
+    inputs = {"image": rand((4, 8, 8, 3))}   # 20 output rows
+    problem = build_problem(model, inputs)
+    seen = {}
+    report = run_problem(problem, strategy="vectorized", chunk_rows=16, on_chunk=lambda s, r: seen.update({s: r}))
+    assert "disagrees with the eager reference" in report.failures["vectorized"]
+    assert report.plan["strategy"] in ("loop", "eager")
+    rows = np.concatenate([seen[s] for s in sorted(seen)])
+    np.testing.assert_allclose(rows, tape_jacobian(model, inputs, "logits", "image").reshape(rows.shape), atol=1e-5)
+
+
+def test_a_size_checked_before_runs_without_eager_code(loaded, monkeypatch):
+    model = loaded("mlp")
+    inputs = {"x": rand((3, 8))}
+    first = run_problem(build_problem(model, inputs), chunk_rows=4)
+    assert 4 in first.learned.current.verified_rows
+    import worker.engine.runner as runner
+
+    def no_eager(self, row):
+        raise AssertionError("an eager reference row was computed for a size checked before")
+
+    monkeypatch.setattr(runner._Run, "eager_row", no_eager)
+    run_problem(build_problem(model, inputs), plan=first.learned, chunk_rows=4)
