@@ -146,7 +146,8 @@ def batch_interacting(path: Path) -> Path:
 
 
 def variable_in_loop(path: Path) -> Path:
-    """A loop body that reads a variable: TensorFlow cannot differentiate the loaded model."""
+    """A loop body that reads a variable: on a persistent tape TensorFlow cannot differentiate the loaded
+    model ('variable without handle data'); on a non-persistent one it can."""
     import tensorflow as tf
 
     class VarLoop(tf.Module):

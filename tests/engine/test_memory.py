@@ -64,12 +64,12 @@ def test_peak_is_flat_in_the_number_of_rows(wide_mlp):
     """The peak is per chunk, so it must not grow with the rows. TensorFlow's executor orders
     ops differently from one call to the next (one chunk output more or less alive at the
     peak), so both sides are the worst chunk over a similar number of chunks: three jobs of
-    512 rows against one of 2048, after a warm-up job that runs the (cached) strategy trial."""
+    512 rows against one of 2048, all with the plan a warm-up job calibrated."""
     inputs = {"x": rand((64, 256))}
     budget = 48 << 20
-    _run(wide_mlp, inputs, 64, memory_budget_bytes=budget)  # the trial, kept out of both peaks
-    small = [_run(wide_mlp, inputs, 512, memory_budget_bytes=budget) for _ in range(3)]
-    large = _run(wide_mlp, inputs, 2048, memory_budget_bytes=budget)  # four times the rows
+    plan = _run(wide_mlp, inputs, 512, memory_budget_bytes=budget).learned  # calibration, kept out of both
+    small = [_run(wide_mlp, inputs, 512, memory_budget_bytes=budget, plan=plan) for _ in range(3)]
+    large = _run(wide_mlp, inputs, 2048, memory_budget_bytes=budget, plan=plan)  # four times the rows
     assert {r.plan["chunk_rows"] for r in small} == {large.plan["chunk_rows"]}
     small_peak = max(r.peak_bytes for r in small)
     assert large.peak_bytes <= 1.10 * small_peak, ([r.peak_bytes for r in small], large.peak_bytes)

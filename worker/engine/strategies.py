@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from worker.engine import pfor_patches
 from worker.engine.plan import parse_label
-from worker.engine.problem import Problem
+from worker.engine.problem import Problem, unconnected
 
 BASE_STRATEGIES = ("tiled", "vectorized", "loop", "eager")
 
@@ -90,7 +90,10 @@ def _seeds(tf: Any, problem: Problem, like_shape: Any, start: Any, k: Any) -> An
     return tf.reshape(tf.one_hot(idx, depth=depth, dtype=dtype), tf.concat([[k], like_shape], 0))
 
 
-def _dense(tf: Any, g: Any) -> Any:
+def _dense(tf: Any, g: Any, problem: Problem | None = None) -> Any:
+    """A gradient as a dense tensor; ``None`` (``of`` does not depend on ``wrt``) raises InvalidRequest."""
+    if g is None and problem is not None:
+        raise unconnected(problem.of, problem.wrt)
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
@@ -113,7 +116,7 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
                 with tf.GradientTape() as tape:
                     tape.watch(target)
                     s = scalar(fn(**inputs)[of])
-                g = _dense(tf, tape.gradient(s, target))
+                g = _dense(tf, tape.gradient(s, target), problem)
             return acc.jvp(g, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return tf.shape(target), hvp_forward
 
@@ -124,7 +127,7 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
             with tf.GradientTape() as inner:
                 inner.watch(target)
                 s = scalar(fn(**inputs)[of])
-            g = _dense(tf, inner.gradient(s, target))
+            g = _dense(tf, inner.gradient(s, target), problem)
         return tf.shape(target), lambda v: _dense(tf, outer.gradient(g, target, output_gradients=v))
 
     if problem.mode == "forward":
@@ -134,14 +137,15 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
             return acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return tf.shape(target), jvp
 
-    # Eagerly (reference rows) a tape serves one row: non-persistent, like build_problem's probe, so
-    # that TensorFlow reuses the backward function it built for the probe (a persistent tape makes it
-    # build another: 3 s on MobileNetV3Small). In a graph, pfor may take the gradient more than once.
-    tape = tf.GradientTape(persistent=not tf.executing_eagerly())
+    # Non-persistent: through a loaded model's while_loop that reads a variable, TensorFlow fails with
+    # 'variable without handle data' on a persistent tape, in graph and eager mode alike, and a
+    # persistent tape makes it build a second backward function (3 s on MobileNetV3Small). pfor
+    # traces the row function once, so one gradient per tape is all any strategy needs.
+    tape = tf.GradientTape()
     with tape:
         tape.watch(target)
         y = fn(**inputs)[of]
-    return tf.shape(y), lambda v: _dense(tf, tape.gradient(y, target, output_gradients=v))
+    return tf.shape(y), lambda v: _dense(tf, tape.gradient(y, target, output_gradients=v), problem)
 
 
 def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any) -> Any:
@@ -160,7 +164,7 @@ def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any
         tape.watch(x)
         y = problem.model.fn(**tiled)[problem.of]
     seeds = _seeds(tf, problem, tf.concat([batch, tf.shape(y)[1:]], 0), start, k)
-    out = tape.gradient(y, x, output_gradients=tf.reshape(seeds, tf.shape(y)))
+    out = _dense(tf, tape.gradient(y, x, output_gradients=tf.reshape(seeds, tf.shape(y))), problem)
     return tf.reshape(out, tf.concat([[k32], batch, tf.shape(x)[1:]], 0))
 
 
