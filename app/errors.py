@@ -144,18 +144,26 @@ def status_of(exc: BaseException) -> int:
 _OWN_FIELD = re.compile(r"^[A-Za-z_][\w.]*: ")
 
 
-def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+_WHERE = ("body", "query", "path", "header", "cookie")
+
+
+def _loc(loc: tuple[Any, ...] | list[Any], *, located: bool) -> str:
+    """``("model", "path")`` -> ``"model.path"``; FastAPI's locations (``located``) start with where
+    the value was, ``("query", "limit")``, which is dropped (a field may itself be named ``path``)."""
+    parts = [str(p) for p in loc]
+    if located and parts and parts[0] in _WHERE:
+        parts = parts[1:]
     return ".".join(parts) or "body"
 
 
-def validation_message(errors: list[Any]) -> str:
-    """Pydantic errors as ``"field: what is wrong"`` lines joined by ``"; "``."""
+def validation_message(errors: list[Any], *, located: bool = False) -> str:
+    """Pydantic errors as ``"field: what is wrong"`` lines joined by ``"; "``; ``located`` for FastAPI's
+    request errors, whose locations start with ``body``, ``query``, ``path`` or ``header``."""
     out = []
     for err in errors:
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
-        field = _loc(err.get("loc", ()))
+        field = _loc(err.get("loc", ()), located=located)
         if err.get("type") == "extra_forbidden":
             msg = "unknown field; remove it (see /docs for the accepted fields)"
         elif err.get("type") == "missing":
@@ -170,7 +178,7 @@ def validation_message(errors: list[Any]) -> str:
 
 def _message(exc: BaseException) -> str:
     if isinstance(exc, (ValidationError, RequestValidationError)):
-        return validation_message(list(exc.errors()))
+        return validation_message(list(exc.errors()), located=isinstance(exc, RequestValidationError))
     if isinstance(exc, JobNotFound):
         return f"id: no job {exc.args[0]!r}; list jobs with GET /v1/jobs"
     if isinstance(exc, SignatureNotFound):

@@ -1,9 +1,12 @@
 """Request bodies -> numpy inputs checked against a model signature, and the job's ``inputs.npz``.
 
-Limits: the body is counted as it streams (``max_body_bytes``); tensors are counted in elements
-(``max_input_elements``, all inputs together) before any of them is materialised, from the JSON
-``shape`` or from each ``.npy`` header inside an ``.npz``. Inputs holding NaN or Inf are refused
-(422): a Jacobian at a non-finite point is not defined.
+Limits: the body is counted as it streams (``max_body_bytes``), and a body that stalls for
+``body_read_timeout_s`` is answered 408. Tensors are counted in elements (``max_input_elements``)
+and decoded bytes (``max_input_bytes``, itemsize x elements), all inputs together, before any of
+them is materialised: from the JSON ``shape`` or from each ``.npy`` header inside an ``.npz``
+(``contracts.npz``), whose shapes and dtypes are also checked against the signature before a byte
+of data is inflated. Inputs holding NaN or Inf are refused (422): a Jacobian at a non-finite point
+is not defined.
 """
 
 from __future__ import annotations
@@ -11,15 +14,15 @@ from __future__ import annotations
 import io
 import json
 import math
-import zipfile
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
+from typing import IO, Any, Protocol
 
 import numpy as np
 from pydantic import ValidationError
 
 from app.errors import BodyTooLarge, InvalidRequest, MalformedBody, NonFiniteInput, SignatureMismatch
-from contracts import storage
+from contracts import npz, storage
 from contracts.jobspec import DIFFERENTIABLE_DTYPES, JobCreate, JobOptions, Kind, ModelRef, TensorIn
 from contracts.layout import INPUTS, job_url
 from contracts.savedmodel import VARIABLE_PREFIX, Shape, Signature, TensorSpec, strip_variable_suffix
@@ -85,21 +88,29 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
         raise InvalidRequest(f"dtype: {name!r} has no numpy equivalent; this model cannot be served") from None
 
 
-def _check_elements(total: int, max_elements: int) -> None:
-    if total > max_elements:
-        raise BodyTooLarge(f"inputs: {total} elements in total, over the limit of {max_elements} "
-                           "(JACOBIAN_MAX_INPUT_ELEMENTS); send smaller inputs or split the job")
+def _json_dtype(name: str, t: TensorIn, sig: Signature) -> np.dtype[Any]:
+    """An inline tensor's dtype: its ``dtype``, or the signature's for that input when omitted."""
+    spec = sig.inputs.get(name)
+    return numpy_dtype(spec.dtype if spec is not None and "dtype" not in t.model_fields_set else t.dtype)
 
 
-def arrays_from_json(inputs: Mapping[str, TensorIn], sig: Signature, *, max_elements: int) -> dict[str, np.ndarray]:
-    """Inline tensors -> arrays; an omitted ``dtype`` takes the signature's dtype for that input."""
-    _check_elements(sum(math.prod(t.shape) for t in inputs.values()), max_elements)
+def arrays_from_json(inputs: Mapping[str, TensorIn], sig: Signature, *, max_elements: int,
+                     max_bytes: int) -> dict[str, np.ndarray]:
+    """Inline tensors -> arrays; an omitted ``dtype`` takes the signature's dtype for that input.
+
+    The declared shapes are checked against the element and byte limits before any array is built."""
+    elements = sum(math.prod(t.shape) for t in inputs.values())
+    if elements > max_elements:
+        raise BodyTooLarge(f"inputs: {elements} elements in total, over the limit of {max_elements} "
+                           "(JACOBIAN_MAX_INPUT_ELEMENTS); send smaller inputs or split the job", field="inputs")
+    nbytes = sum(math.prod(t.shape) * _json_dtype(name, t, sig).itemsize for name, t in inputs.items())
+    if nbytes > max_bytes:
+        raise BodyTooLarge(f"inputs: {nbytes} bytes in total, over the limit of {max_bytes} "
+                           "(JACOBIAN_MAX_INPUT_BYTES); send smaller inputs or split the job", field="inputs")
     out: dict[str, np.ndarray] = {}
     for name, t in inputs.items():
         field = f"inputs.{name}"
-        spec = sig.inputs.get(name)
-        dtype_name = spec.dtype if spec is not None and "dtype" not in t.model_fields_set else t.dtype
-        target = numpy_dtype(dtype_name)
+        target = _json_dtype(name, t, sig)
         try:
             raw = np.asarray(t.data)
         except ValueError:
@@ -126,34 +137,50 @@ def arrays_from_json(inputs: Mapping[str, TensorIn], sig: Signature, *, max_elem
     return out
 
 
-def arrays_from_npz(data: bytes, *, max_elements: int, field: str = "body") -> dict[str, np.ndarray]:
-    """An ``.npz`` -> arrays by name; element counts are read from the ``.npy`` headers first."""
+@contextmanager
+def _npz_errors(field: str) -> Iterator[None]:
+    """``contracts.npz`` errors as API errors naming ``field`` (or the input whose dtype is refused)."""
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-        members = [m for m in zf.infolist() if not m.is_dir()]
-        headers = []
-        for member in members:
-            with zf.open(member) as f:
-                version = np.lib.format.read_magic(f)
-                if version == (1, 0):
-                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-                elif version == (2, 0):
-                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-                else:
-                    raise ValueError(f"member {member.filename!r}: .npy format {version} is not supported")
-            headers.append((member, shape, dtype))
-        _check_elements(sum(math.prod(shape) for _, shape, _ in headers), max_elements)
-        out: dict[str, np.ndarray] = {}
-        for member, _, dtype in headers:
-            if dtype.hasobject:
-                raise ValueError(f"member {member.filename!r} holds Python objects")
-            with zf.open(member) as f:
-                out[member.filename.removesuffix(".npy")] = np.lib.format.read_array(f, allow_pickle=False)
-        return out
-    except BodyTooLarge:
-        raise
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise MalformedBody(f"{field}: not a readable .npz ({exc}); write it with numpy.savez") from None
+        yield
+    except npz.NpzTooLarge as exc:
+        where = "inputs" if field == "body" else field
+        raise BodyTooLarge(f"{where}: {exc}; send smaller inputs or split the job", field=where) from None
+    except npz.NpzDtypeRefused as exc:
+        raise InvalidRequest(f"inputs.{exc.name}.dtype: {exc}", field=f"inputs.{exc.name}") from None
+    except npz.NpzError as exc:
+        raise MalformedBody(f"{field}: not a readable .npz ({exc}); write it with numpy.savez", field=field) from None
+
+
+class NpzInputs:
+    """An ``.npz`` (body or ``inputs_uri``) whose members' headers are read and checked against the
+    byte and element limits on opening; ``headers`` has each input's ``shape`` and ``dtype``, so the
+    request can be checked against the signature before ``arrays()`` inflates anything."""
+
+    def __init__(self, source: bytes | IO[bytes], *, field: str, max_bytes: int, max_elements: int) -> None:
+        self.field = field
+        with _npz_errors(field):
+            self._zip = npz.open_zip(source)
+            try:
+                members = npz.read_headers(self._zip)
+                npz.check_limits(members, max_bytes=max_bytes, max_elements=max_elements)
+            except BaseException:
+                self._zip.close()
+                raise
+        self.headers: dict[str, npz.Member] = {m.name: m for m in members}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays, each read up to its declared size."""
+        with _npz_errors(self.field):
+            return npz.read_arrays(self._zip, list(self.headers.values()))
+
+    def close(self) -> None:
+        self._zip.close()
+
+    def __enter__(self) -> "NpzInputs":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _fmt(shape: Shape) -> str:
@@ -170,24 +197,43 @@ def _compatible(shape: tuple[int, ...], spec: Shape) -> bool:
     return len(shape) == len(spec) and all(s is None or s == d for d, s in zip(shape, spec))
 
 
-def check_inputs(arrays: Mapping[str, np.ndarray], sig: Signature) -> None:
-    """Every signature input given, none unknown, each with its dtype, a compatible shape, finite values."""
-    for name in arrays:
+class Described(Protocol):
+    """What the signature checks need of an input: an array, or an ``.npz`` member's header."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+
+def check_signature(tensors: Mapping[str, Described], sig: Signature) -> None:
+    """Every signature input given, none unknown, each with its dtype, a compatible shape and at least
+    one element. Reads shapes and dtypes only, so ``.npz`` headers are checked before their data."""
+    for name in tensors:
         if name not in sig.inputs:
             raise SignatureMismatch(f"inputs.{name}: signature {sig.name!r} has no input {name!r}; its inputs are: "
                                     f"{_names(list(sig.inputs))}", field=f"inputs.{name}")
     for name, spec in sig.inputs.items():
-        if name not in arrays:
+        if name not in tensors:
             raise SignatureMismatch(f"inputs.{name}: required by signature {sig.name!r} ({spec.dtype}, shape "
                                     f"{_fmt(spec.shape)}); add it", field=f"inputs.{name}")
-        arr = arrays[name]
-        if arr.dtype != numpy_dtype(spec.dtype):
-            raise SignatureMismatch(f"inputs.{name}.dtype: got {arr.dtype.name}, the signature wants {spec.dtype}; "
+        t = tensors[name]
+        if t.dtype != numpy_dtype(spec.dtype):
+            raise SignatureMismatch(f"inputs.{name}.dtype: got {t.dtype.name}, the signature wants {spec.dtype}; "
                                     f"send {spec.dtype}", field=f"inputs.{name}")
-        if not _compatible(arr.shape, spec.shape):
-            raise SignatureMismatch(f"inputs.{name}.shape: got {list(arr.shape)}, the signature wants "
+        if not _compatible(t.shape, spec.shape):
+            raise SignatureMismatch(f"inputs.{name}.shape: got {list(t.shape)}, the signature wants "
                                     f"{_fmt(spec.shape)} (None: any size); reshape the input",
                                     field=f"inputs.{name}")
+        if math.prod(t.shape) == 0:
+            raise SignatureMismatch(f"inputs.{name}.shape: {list(t.shape)} holds no elements, and the Jacobian of "
+                                    "an empty input is empty; send at least one example", field=f"inputs.{name}")
+
+
+def check_finite(arrays: Mapping[str, np.ndarray]) -> None:
+    """No float input holds NaN or Inf (``NonFiniteInput`` names the first index)."""
+    for name, arr in arrays.items():
         if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
             finite = np.isfinite(arr.astype(np.float32) if arr.dtype.name == "bfloat16" else arr)
             if not finite.all():
@@ -195,6 +241,12 @@ def check_inputs(arrays: Mapping[str, np.ndarray], sig: Signature) -> None:
                 raise NonFiniteInput(f"inputs.{name}: contains NaN or Inf (first at index {list(map(int, first))}); "
                                      "replace non-finite values, the Jacobian is not defined there",
                                      field=f"inputs.{name}")
+
+
+def check_inputs(arrays: Mapping[str, np.ndarray], sig: Signature) -> None:
+    """``check_signature`` and ``check_finite``."""
+    check_signature(arrays, sig)
+    check_finite(arrays)
 
 
 def resolve_of(of: str | None, sig: Signature) -> str:
@@ -246,7 +298,7 @@ def _is_scalar(shape: Shape) -> bool:
 
 
 def check_kind(options: JobOptions, sig: Signature, of: str, wrt: str,
-               arrays: Mapping[str, np.ndarray], variables: Mapping[str, TensorSpec]) -> None:
+               arrays: Mapping[str, Described], variables: Mapping[str, TensorSpec]) -> None:
     """Kind-specific rules: a Hessian needs a scalar ``of`` (or ``reduce='sum'``); a batch Jacobian
     needs ``of`` and ``wrt`` with batch axes of equal size."""
     of_shape = sig.outputs[of].shape
@@ -272,7 +324,7 @@ def check_kind(options: JobOptions, sig: Signature, of: str, wrt: str,
                                 "batch_jacobian needs equal batch sizes, use kind='jacobian'", field="of")
 
 
-def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, arrays: Mapping[str, np.ndarray],
+def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, arrays: Mapping[str, Described],
                       variables: Mapping[str, TensorSpec], *, max_result_bytes: int) -> None:
     """Refuse a job whose result would pass ``max_result_bytes``, when its size can be known here.
 

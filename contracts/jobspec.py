@@ -11,6 +11,7 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16"
                     "uint8", "uint16", "uint32", "uint64", "bool")
 DIFFERENTIABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 STORABLE_DTYPES = ("float16", "float32", "float64")
+MAX_RANK = 32  # dimensions of an input tensor (numpy allows 64, no model input comes near)
 
 
 class Kind(str, Enum):
@@ -53,6 +54,8 @@ class TensorIn(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TensorIn":
+        if len(self.shape) > MAX_RANK:
+            raise ValueError(f"shape: {len(self.shape)} dimensions, more than {MAX_RANK}; reshape the input")
         if any(d < 0 for d in self.shape):
             raise ValueError(f"shape: dimensions must be >= 0, got {self.shape}")
         if self.dtype not in SUPPORTED_DTYPES:

@@ -8,7 +8,6 @@ TensorFlow and the engine are imported lazily, inside the functions that need th
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import redis
 
-from contracts import storage
+from contracts import npz, storage
 from contracts.jobspec import JobStatus, QueuedJob, finalizer_job_id, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord, JobStore, merge_shard_progress
 from contracts.layout import job_url
@@ -54,19 +53,19 @@ def effective_budget(job_bytes: int | None, operator_bytes: int | None) -> int |
 
 
 def load_inputs(uri: str, *, field: str = "inputs_uri") -> dict[str, np.ndarray]:
-    """The arrays of the ``.npz`` at ``uri`` (local path, ``file://`` or ``s3://``).
+    """The arrays of the ``.npz`` at ``uri`` (local path, ``file://`` or ``s3://``), read by
+    ``contracts.npz``: headers checked against ``JACOBIAN_MAX_INPUT_BYTES`` and ``_ELEMENTS`` first.
 
-    Raises ``InvalidInputs`` (naming ``field``) when absent or unreadable; other ``OSError`` when
-    storage fails.
+    Raises ``InvalidInputs`` (naming ``field``) when absent, unreadable or over a limit; other
+    ``OSError`` when storage fails.
     """
+    settings = get_settings()
     try:
-        data = storage.read_bytes(uri)
+        with storage.open_file(uri) as f:
+            return npz.load(f, max_bytes=settings.max_input_bytes, max_elements=settings.max_input_elements)
     except (FileNotFoundError, IsADirectoryError) as err:
         raise InvalidInputs(f"{field}: {uri!r} does not exist; give the path or URL of an .npz file") from err
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files}
-    except (ValueError, OSError, EOFError) as err:
+    except npz.NpzError as err:
         raise InvalidInputs(f"{field}: {uri!r} is not a readable .npz ({err}); write it with numpy.savez") from err
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -11,7 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -29,6 +31,7 @@ from app.errors import (ApiError, IdempotencyKeyReused, InvalidRequest, JobNotFi
                         RangeNotSatisfiable, UnsupportedMediaType, error_responses)
 from app.metrics import JOBS_CANCELED, JOBS_REJECTED, JOBS_SUBMITTED
 from app.routes.models import load_signature
+from app.security import check_path_text
 from contracts import storage
 from contracts.jobspec import JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob
 from contracts.jobstore import JobRecord, JobStore
@@ -136,7 +139,11 @@ def fingerprint(queued: QueuedJob, arrays: Mapping[str, np.ndarray]) -> str:
 
 def validate(body: bytes, media: str, query: Mapping[str, str],
              settings: Settings) -> tuple[QueuedJob, dict[str, np.ndarray]]:
-    """Everything checked before anything is written; returns the spec (id and URIs blank) and inputs."""
+    """Everything checked before anything is written; returns the spec (id and URIs blank) and inputs.
+
+    Shapes and dtypes (from the JSON or from the ``.npz`` headers) are checked against the signature,
+    the kind and the result size limit before any ``.npz`` data is inflated.
+    """
     if media == tensors.NPZ_MEDIA_TYPE:
         options, model = tensors.parse_npz_query(query)
         job: JobCreate | None = None
@@ -149,35 +156,58 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
     model_dir, info, sig = load_signature(model.path, model.signature, settings.model_roots,
                                           path_field="model.path" if job else "model_path",
                                           signature_field="model.signature" if job else "signature")
-    if job is None:
-        arrays = tensors.arrays_from_npz(body, max_elements=settings.max_input_elements)
-    elif job.inputs is not None:
-        arrays = tensors.arrays_from_json(job.inputs, sig, max_elements=settings.max_input_elements)
+
+    def check(described: Mapping[str, tensors.Described]) -> tuple[str, str]:
+        tensors.check_signature(described, sig)
+        of = tensors.resolve_of(options.of, sig)
+        wrt = tensors.resolve_wrt(options.wrt, sig, info.variables)
+        tensors.check_kind(options, sig, of, wrt, described, info.variables)
+        tensors.check_result_size(options, sig, of, wrt, described, info.variables,
+                                  max_result_bytes=settings.max_result_bytes)
+        return of, wrt
+
+    limits = {"max_bytes": settings.max_input_bytes, "max_elements": settings.max_input_elements}
+    if job is not None and job.inputs is not None:
+        arrays = tensors.arrays_from_json(job.inputs, sig, **limits)
+        of, wrt = check(arrays)
     else:
-        arrays = tensors.arrays_from_npz(_read_inputs_uri(str(job.inputs_uri), settings),
-                                         max_elements=settings.max_input_elements, field="inputs_uri")
-    tensors.check_inputs(arrays, sig)
-    of = tensors.resolve_of(options.of, sig)
-    wrt = tensors.resolve_wrt(options.wrt, sig, info.variables)
-    tensors.check_kind(options, sig, of, wrt, arrays, info.variables)
-    tensors.check_result_size(options, sig, of, wrt, arrays, info.variables,
-                              max_result_bytes=settings.max_result_bytes)
+        with contextlib.ExitStack() as stack:
+            if job is None:
+                source = stack.enter_context(tensors.NpzInputs(body, field="body", **limits))
+            else:
+                uri = str(job.inputs_uri)
+                file = stack.enter_context(_open_inputs_uri(uri, settings))
+                source = stack.enter_context(tensors.NpzInputs(file, field="inputs_uri", **limits))
+            of, wrt = check(source.headers)
+            arrays = source.arrays()
+    tensors.check_finite(arrays)
     spec = options.model_dump(exclude={"of", "wrt"})
     queued = QueuedJob(id="", model=ModelRef(path=str(model_dir), signature=model.signature), inputs_uri="",
                        results_url=storage.normalize(settings.results_url), of=of, wrt=wrt, **spec)
     return queued, arrays
 
 
-def _read_inputs_uri(uri: str, settings: Settings) -> bytes:
-    """The .npz at ``uri``, which must lie under the results storage (the service reads nothing else)."""
+def _open_inputs_uri(uri: str, settings: Settings) -> IO[bytes]:
+    """The .npz at ``uri`` opened for reading; it must lie under the results storage (the service
+    reads nothing else) and be a file."""
+    check_path_text(uri, field="inputs_uri", local=not storage.is_remote(uri))
     base = storage.normalize(settings.results_url).rstrip("/") + "/"
     if ".." in uri.split("/") or not storage.normalize(uri).startswith(base):
         raise InvalidRequest(f"inputs_uri: {uri!r} is not under the results storage {base!r}; upload the .npz "
                              "there or send it as the body (Content-Type: application/x-npz)", field="inputs_uri")
     try:
-        return storage.read_bytes(uri)
+        return storage.open_file(uri)
     except FileNotFoundError:
         raise InvalidRequest(f"inputs_uri: nothing at {uri!r}; upload the .npz first", field="inputs_uri") from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise InvalidRequest(f"inputs_uri: {uri!r} is a folder, not a file; give the URL of the .npz itself",
+                             field="inputs_uri") from None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise InvalidRequest(f"inputs_uri: {uri[:80]!r}... is longer than the file system allows; use a "
+                                 "shorter name", field="inputs_uri") from None
+        raise NotReady(f"storage: cannot read inputs_uri ({type(exc).__name__}); retry later (see GET /readyz)") \
+            from None
 
 
 def enqueue(job_id: str, queued: QueuedJob, arrays: Mapping[str, np.ndarray], *, settings: Settings,
