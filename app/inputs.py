@@ -11,6 +11,7 @@ is not defined.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
@@ -20,8 +21,10 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
-from app.errors import BodyTooLarge, InvalidRequest, MalformedBody, NonFiniteInput, SignatureMismatch
+from app.errors import (BodyTimeout, BodyTooLarge, ClientClosedRequest, InvalidRequest, MalformedBody, NonFiniteInput,
+                        SignatureMismatch)
 from contracts import npz, storage
 from contracts.jobspec import DIFFERENTIABLE_DTYPES, JobCreate, JobOptions, Kind, ModelRef, TensorIn
 from contracts.layout import INPUTS, job_url
@@ -30,18 +33,31 @@ from contracts.savedmodel import VARIABLE_PREFIX, Shape, Signature, TensorSpec, 
 NPZ_MEDIA_TYPE = "application/x-npz"
 
 
-async def read_limited(stream: AsyncIterator[bytes], *, max_bytes: int, content_length: str | None) -> bytes:
+async def read_limited(stream: AsyncIterator[bytes], *, max_bytes: int, content_length: str | None,
+                       read_timeout_s: float | None = None) -> bytes:
     """The whole body, refused with ``BodyTooLarge`` once more than ``max_bytes`` have streamed in.
 
     ``Content-Length`` only lets an honest oversized request fail before reading; the count of
-    bytes actually received is what is enforced.
+    bytes actually received is what is enforced. A body that sends nothing for ``read_timeout_s``
+    raises ``BodyTimeout``; a client that goes away mid-body, ``ClientClosedRequest``.
     """
     limit_text = f"{max_bytes} bytes (JACOBIAN_MAX_BODY_BYTES)"
-    if content_length is not None and content_length.isdigit() and int(content_length) > max_bytes:
-        raise BodyTooLarge(f"body: Content-Length {content_length} is over the limit of {limit_text}; "
+    declared = content_length.strip() if content_length is not None else ""
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
+        raise BodyTooLarge(f"body: Content-Length {declared[:20]} is over the limit of {limit_text}; "
                            "put large inputs in storage and pass 'inputs_uri'")
     buf = bytearray()
-    async for chunk in stream:
+    chunks = stream.__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), timeout=read_timeout_s)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise BodyTimeout(f"body: nothing received for {read_timeout_s:g} s after {len(buf)} bytes "
+                              "(JACOBIAN_BODY_READ_TIMEOUT_S); send the body without pausing") from None
+        except ClientDisconnect:
+            raise ClientClosedRequest(f"body: the client closed the connection after {len(buf)} bytes") from None
         buf += chunk
         if len(buf) > max_bytes:
             raise BodyTooLarge(f"body: more than {limit_text}; put large inputs in storage and pass 'inputs_uri'")
@@ -52,8 +68,12 @@ def parse_job_json(body: bytes) -> JobCreate:
     """``POST /v1/jobs`` JSON -> ``JobCreate``; ``MalformedBody`` (400) if not JSON, pydantic errors (422)."""
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedBody(f"body: not valid JSON ({exc}); send a JSON object as described at /docs") from None
+    except RecursionError:
+        raise MalformedBody("body: nested too deeply to parse; send tensors as flat lists with a 'shape', "
+                            "or as an .npz body") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and integers of over 4300 digits
+        raise MalformedBody(f"body: not valid JSON ({str(exc)[:200]}); send a JSON object as described at /docs") \
+            from None
     if not isinstance(obj, dict):
         raise MalformedBody(f"body: expected a JSON object, got {type(obj).__name__}; see /docs")
     return JobCreate.model_validate(obj)

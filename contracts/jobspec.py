@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Any
 
@@ -11,6 +12,7 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16"
                     "uint8", "uint16", "uint32", "uint64", "bool")
 DIFFERENTIABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 STORABLE_DTYPES = ("float16", "float32", "float64")
+JOB_ID_PATTERN = "^[0-9a-f]{32}$"  # uuid4().hex: the only ids the service issues
 MAX_RANK = 32  # dimensions of an input tensor (numpy allows 64, no model input comes near)
 
 
@@ -120,6 +122,14 @@ class QueuedJob(JobOptions):
     def rq_id(self) -> str:
         """The rq job id: the job id, or ``{id}-s{shard}`` for a shard."""
         return self.id if self.shard is None else shard_job_id(self.id, self.shard)
+
+
+def is_job_id(text: str) -> bool:
+    """True for a string shaped like the ids the service issues (32 lowercase hex digits)."""
+    return _JOB_ID.fullmatch(text) is not None
+
+
+_JOB_ID = re.compile("[0-9a-f]{32}")
 
 
 def shard_job_id(job_id: str, index: int) -> str:

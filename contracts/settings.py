@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     queue_name: str = "jacobian"
     max_body_bytes: int = 256 * 1024 * 1024
     max_input_elements: int = 64 * 1024 * 1024
+    body_read_timeout_s: float = Field(30.0, gt=0, description="a request body that sends nothing for this long "
+                                       "is answered 408")
     max_input_bytes: int = Field(512 * 1024 * 1024, description="bytes of all input tensors of a job together, "
                                  "decoded (itemsize x elements), however they are sent")
     max_result_bytes: int = 1 << 40

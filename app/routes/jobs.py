@@ -26,14 +26,14 @@ from rq.job import JobStatus as RqStatus
 from starlette.concurrency import run_in_threadpool
 
 from app import inputs as tensors
-from app.deps import QueueDep, SettingsDep, StoreDep, require_api_key
-from app.errors import (ApiError, IdempotencyKeyReused, InvalidRequest, JobNotFinished, NotReady,
-                        RangeNotSatisfiable, UnsupportedMediaType, error_responses)
+from app.deps import JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
+from app.errors import (ApiError, ClientClosedRequest, IdempotencyKeyReused, InvalidRequest, JobNotFinished,
+                        NotReady, RangeNotSatisfiable, UnsupportedMediaType, error_responses)
 from app.metrics import JOBS_CANCELED, JOBS_REJECTED, JOBS_SUBMITTED
 from app.routes.models import load_signature
 from app.security import check_path_text
 from contracts import storage
-from contracts.jobspec import JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob
+from contracts.jobspec import JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob, is_job_id
 from contracts.jobstore import JobRecord, JobStore
 from contracts.layout import RESULT_ARRAY, Block, ResultLayout, job_url
 from contracts.settings import Settings
@@ -43,6 +43,7 @@ JSON_MEDIA_TYPE = "application/json"
 NPY_MEDIA_TYPE = "application/octet-stream"
 RETRY_INTERVALS_S = [5, 30]
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+MAX_TOKEN_CHARS = 256
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)],
                    responses=error_responses(401))
@@ -87,10 +88,13 @@ async def create_job(
             raise UnsupportedMediaType(f"Content-Type: {media!r} is not supported; send {JSON_MEDIA_TYPE} "
                                        f"or {tensors.NPZ_MEDIA_TYPE}")
         body = await tensors.read_limited(request.stream(), max_bytes=settings.max_body_bytes,
-                                          content_length=request.headers.get("content-length"))
+                                          content_length=request.headers.get("content-length"),
+                                          read_timeout_s=settings.body_read_timeout_s)
         job_id, status = await run_in_threadpool(
             submit, body, media, dict(request.query_params), settings=settings, store=store, queue=queue,
             idempotency_key=idempotency_key)
+    except ClientClosedRequest:
+        raise  # not a refusal: nobody is left to read the answer
     except (ApiError, ValidationError) as exc:
         JOBS_REJECTED.labels(type(exc).__name__).inc()
         raise
@@ -255,25 +259,33 @@ def _encode_token(created_at: float, job_id: str) -> str:
 
 
 def _decode_token(token: str) -> tuple[float, str | None]:
+    """``(created_at, id)`` of a token this service issued; anything else is a 422 naming ``page_token``."""
+    error = InvalidRequest("page_token: not a token from a previous page; omit it to start from the newest job",
+                           field="page_token")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise error
     try:
         raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        job_id = raw.get("id")
-        if job_id is not None and not isinstance(job_id, str):
-            raise TypeError("id")
-        return float(raw["before"]), job_id
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise InvalidRequest("page_token: not a token from a previous page; omit it to start from the newest job",
-                             field="page_token") from None
+    except (ValueError, RecursionError):  # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise error from None
+    if not isinstance(raw, dict) or set(raw) - {"before", "id"}:
+        raise error
+    before, job_id = raw.get("before"), raw.get("id")
+    if isinstance(before, bool) or not isinstance(before, (int, float)) or not math.isfinite(before) or before < 0:
+        raise error
+    if job_id is not None and not (isinstance(job_id, str) and is_job_id(job_id)):
+        raise error
+    return float(before), job_id
 
 
 @router.get("/{job_id}", responses=error_responses(404))
-def get_job(job_id: str, store: StoreDep) -> dict[str, Any]:
+def get_job(job_id: JobIdDep, store: StoreDep) -> dict[str, Any]:
     """Status, progress, chunk plan, result and error of one job (404 if unknown)."""
     return store.get(job_id).to_public()
 
 
 @router.post("/{job_id}/cancel", responses=error_responses(404))
-def cancel_job(job_id: str, store: StoreDep, queue: QueueDep) -> dict[str, Any]:
+def cancel_job(job_id: JobIdDep, store: StoreDep, queue: QueueDep) -> dict[str, Any]:
     """Request cancellation: a queued job is canceled now; a running one stops at its next chunk boundary."""
     record = store.get(job_id)
     JOBS_CANCELED.labels(record.status.value).inc()
@@ -305,7 +317,7 @@ def _cancel_rq_job(job_id: str, queue: Queue) -> bool:
             responses={200: {"content": {NPY_MEDIA_TYPE: {}}, "description": "rows a:b as .npy bytes"},
                        **error_responses(404, 409, 416)})
 def get_result(
-    job_id: str, store: StoreDep, settings: SettingsDep,
+    job_id: JobIdDep, store: StoreDep, settings: SettingsDep,
     rows: Annotated[str | None, Query(description="row range 'a:b' (0-based, b exclusive); default all")] = None,
 ) -> Response:
     """Rows ``a:b`` of a succeeded job's result as ``.npy``, shaped ``(b - a,) + row_shape``.
@@ -350,21 +362,29 @@ def layout_of(array: Any) -> ResultLayout:
 
 
 def parse_rows(rows: str | None, rows_total: int) -> tuple[int, int]:
-    """``"a:b"``, ``"a:"``, ``":b"`` or ``"a"`` -> ``(start, stop)`` within ``0:rows_total``."""
+    """``"a:b"``, ``"a:"``, ``":b"`` or ``"a"`` (ASCII digits) -> ``(start, stop)`` within ``0:rows_total``."""
     fix = f"use rows=a:b with 0 <= a < b <= {rows_total}"
     if rows is None or rows.strip() in ("", ":"):
         return 0, rows_total
-    m = re.fullmatch(r"\s*(\d*)\s*(:?)\s*(\d*)\s*", rows)
+    shown = rows if len(rows) <= 40 else rows[:40] + "..."
+    m = _ROWS.fullmatch(rows)
     if not m or (not m.group(2) and (not m.group(1) or m.group(3))):
-        raise InvalidRequest(f"rows: {rows!r} is not a row range; {fix}", field="rows")
+        raise InvalidRequest(f"rows: {shown!r} is not a row range; {fix}", field="rows")
+    if max(len(m.group(1)), len(m.group(3))) > _ROW_DIGITS:  # past any result (and int()'s digit limit)
+        raise RangeNotSatisfiable(f"rows: {shown!r} is outside the result's rows 0:{rows_total}; {fix}",
+                                  field="rows")
     start = int(m.group(1) or 0)
     stop = (int(m.group(3)) if m.group(3) else rows_total) if m.group(2) else start + 1
     if start >= rows_total or stop > rows_total:
-        raise RangeNotSatisfiable(f"rows: {rows!r} is outside the result's rows 0:{rows_total}; {fix}",
+        raise RangeNotSatisfiable(f"rows: {shown!r} is outside the result's rows 0:{rows_total}; {fix}",
                                   field="rows")
     if start >= stop:
-        raise InvalidRequest(f"rows: {rows!r} is empty; {fix}", field="rows")
+        raise InvalidRequest(f"rows: {shown!r} is empty; {fix}", field="rows")
     return start, stop
+
+
+_ROWS = re.compile(r"[ \t]*([0-9]*)[ \t]*(:?)[ \t]*([0-9]*)[ \t]*")
+_ROW_DIGITS = 18
 
 
 def _block_rows(layout: ResultLayout, block: Block, data: np.ndarray) -> np.ndarray:

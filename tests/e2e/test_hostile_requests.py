@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import io
 import json
+import socket
+import time
 import uuid
 import zipfile
 from collections.abc import Callable
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.e2e
 
 MIB = 1 << 20
 PEAK_GROWTH_LIMIT_BYTES = 300 * MIB
+BODY_READ_TIMEOUT_S = 2.0
 JSON = {"Content-Type": "application/json"}
 NPZ = {"Content-Type": "application/x-npz"}
 
@@ -50,7 +53,7 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.port}"
         env = base_env(JACOBIAN_REDIS_URL=redis_url, JACOBIAN_RESULTS_URL=str(self.results),
                        JACOBIAN_MODEL_ROOTS=str(model_root), JACOBIAN_QUEUE_NAME=self.queue,
-                       JACOBIAN_LOG_FORMAT="text")
+                       JACOBIAN_LOG_FORMAT="text", JACOBIAN_BODY_READ_TIMEOUT_S=str(BODY_READ_TIMEOUT_S))
         self.log_path = workdir / "api.log"
         self.api = Proc("api", jacobian_exe() + ["serve", "--host", "127.0.0.1", "--port", str(self.port)], env,
                         self.log_path)
@@ -68,8 +71,6 @@ class Stack:
         raise AssertionError("no VmHWM in /proc/<pid>/status")
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        import time
-
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.api.proc.poll() is None:
             try:
@@ -84,8 +85,8 @@ class Stack:
         """What a request must not change: files under the results, job records, rq jobs, the queue."""
         files = sorted(str(p.relative_to(self.results)) for p in self.results.rglob("*")
                        if p.is_file() and p.name != ".readyz")
-        return (files, sorted(self.redis.keys("jacobian:job*")), sorted(self.redis.keys("rq:job:*")),
-                self.redis.llen(f"rq:queue:{self.queue}"), self.redis.zcard("jacobian:jobs"))
+        records = {key: self.redis.dump(key) for key in sorted(self.redis.keys("jacobian:*"))}
+        return files, records, sorted(self.redis.keys("rq:*")), self.redis.llen(f"rq:queue:{self.queue}")
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -175,8 +176,24 @@ def get(url: str, **params: str) -> dict[str, Any]:
     return {"method": "GET", "url": url, "params": params}
 
 
+def post(url: str) -> dict[str, Any]:
+    return {"method": "POST", "url": url}
+
+
 def mlp(**extra: Any) -> dict[str, Any]:
     return {"model": {"path": "mlp"}, "inputs": {"x": {"shape": [2, 8], "data": [0.5] * 16}}, **extra}
+
+
+def token(raw: dict[str, Any]) -> str:
+    """A page token built by hand (the server's are base64 of JSON)."""
+    import base64
+
+    return base64.urlsafe_b64encode(json.dumps(raw).encode()).decode().rstrip("=")
+
+
+def deep_data(levels: int) -> bytes:
+    return (b'{"model": {"path": "mlp"}, "inputs": {"x": {"shape": [1], "data": ' + b"[" * levels + b"0"
+            + b"]" * levels + b"}}}")
 
 
 def uri_post(s: Stack, name: str) -> dict[str, Any]:
@@ -215,7 +232,8 @@ CASES: list[tuple[str, Request, int, str]] = [
      "path: contains a NUL byte"),
     ("model path with a long name", lambda s: json_post(mlp(model={"path": "m" * 300})), 422,
      "model.path: has a path component of 300 bytes"),
-    ("model path not UTF-8", lambda s: json_post(mlp(model={"path": "\udcff"})), 422, "model.path: Input should be a valid string"),
+    ("model path not UTF-8", lambda s: json_post(mlp(model={"path": "\udcff"})), 422,
+     "model.path: Input should be a valid string"),
     ("npz model_path with a long name", lambda s: npz_post(npz_bytes(x=np.ones((2, 8), np.float32)),
                                                             model_path="m" * 300), 422, "model_path: has a path"),
     # tensors
@@ -223,6 +241,47 @@ CASES: list[tuple[str, Request, int, str]] = [
      "inputs.x.shape: 65 dimensions, more than 32"),
     ("empty batch", lambda s: json_post(mlp(inputs={"x": {"shape": [0, 8], "data": []}})), 422,
      "inputs.x.shape: [0, 8] holds no elements"),
+    # JSON that parses into trouble
+    ("JSON nested 100000 levels", lambda s: json_post(b"[" * 100_000 + b"]" * 100_000), 400,
+     "body: nested too deeply"),
+    ("JSON data nested 100000 levels", lambda s: json_post(deep_data(100_000)), 400, "body: nested too deeply"),
+    ("JSON integer of 5000 digits", lambda s: json_post(b'{"model": {"path": "mlp"}, "shards": ' + b"9" * 5000 + b"}"),
+     400, "body: not valid JSON"),
+    ("JSON field name not UTF-8", lambda s: json_post(mlp(**{"\ud800": 1})), 422,
+     "body: Input should be a valid string"),
+    ("input name not UTF-8", lambda s: json_post(mlp(inputs={"\ud800": {"shape": [1], "data": [1.0]}})), 422,
+     "has no input"),
+    ("signature name not UTF-8", lambda s: json_post(mlp(model={"path": "mlp", "signature": "\ud800"})), 422,
+     "model.signature:"),
+    # query parameters
+    ("page token with NaN", lambda s: get("/v1/jobs", page_token=token({"before": float("nan"), "id": "0" * 32})),
+     422, "page_token: not a token from a previous page"),
+    ("page token with Infinity", lambda s: get("/v1/jobs", page_token=token({"before": float("inf")})), 422,
+     "page_token"),
+    ("page token with a string", lambda s: get("/v1/jobs", page_token=token({"before": "nan", "id": "0" * 32})), 422,
+     "page_token"),
+    ("page token with a foreign id", lambda s: get("/v1/jobs", page_token=token({"before": 1.0, "id": "x:shards"})),
+     422, "page_token"),
+    ("page token of 8000 characters", lambda s: get("/v1/jobs", page_token="A" * 8000), 422, "page_token"),
+    ("list limit of 5000 digits", lambda s: get("/v1/jobs", limit="9" * 5000), 422, "limit"),
+    # job ids: only those the service issued resolve, nothing else in Redis is reachable through them
+    ("job id naming the shard hash", lambda s: get(f"/v1/jobs/{s.job_id}:shards"), 404, "id: no job"),
+    ("cancel through the shard hash", lambda s: post(f"/v1/jobs/{s.job_id}:shards/cancel"), 404, "id: no job"),
+    ("result through the shard hash", lambda s: get(f"/v1/jobs/{s.job_id}:shards/result"), 404, "id: no job"),
+    ("preview through the shard hash", lambda s: get(f"/v1/jobs/{s.job_id}:shards/preview.png"), 404, "id: no job"),
+    ("job id in capitals", lambda s: get(f"/v1/jobs/{s.job_id.upper()}"), 404, "id: no job"),
+    ("job id of 5000 characters", lambda s: get("/v1/jobs/" + "a" * 5000), 404, "id: no job"),
+    # result rows
+    ("rows of 5000 digits", lambda s: get(f"/v1/jobs/{s.job_id}/result", rows="1" * 5000 + ":"), 416,
+     "rows: '1111"),
+    ("rows in Arabic-Indic digits", lambda s: get(f"/v1/jobs/{s.job_id}/result", rows="\u0661:\u0662"), 422,
+     "rows: '\u0661:\u0662' is not a row range"),
+    ("rows in full-width digits", lambda s: get(f"/v1/jobs/{s.job_id}/result", rows="\uff11"), 422,
+     "is not a row range"),
+    # routes and methods
+    ("unknown path", lambda s: get("/v1/nothing"), 404, "path: '/v1/nothing' does not exist"),
+    ("method not allowed", lambda s: {"method": "DELETE", "url": "/v1/jobs"}, 405,
+     "method: DELETE is not allowed on /v1/jobs; use GET, POST"),
     ("npz cut short", lambda s: npz_post(npz_bytes(x=np.zeros((2, 8), np.float32))[:-40]), 400,
      "body: not a readable .npz"),
 ]
@@ -237,10 +296,26 @@ def many_members(n: int) -> bytes:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def uploads(stack):
-    """The bombs as files under the results storage, for ``inputs_uri`` (written before the checks)."""
+def prepared(stack):
+    """Written before any check: the bombs as files under the results storage (for ``inputs_uri``), and a
+    succeeded job as a worker leaves it (record, shard hash, result array) for the id and rows cases."""
+    import zarr
+
+    from contracts.jobspec import JobStatus
+    from contracts.jobstore import JobRecord, JobStore
+
     for name, args in BOMBS.items():
         (stack.uploads / f"{name}.npz").write_bytes(bomb(*args))
+    stack.job_id = uuid.uuid4().hex
+    uri = str(stack.results / stack.job_id / "jacobian.zarr")
+    array = zarr.create_array(store=uri, shape=(4, 3), dtype="float32", chunks=(2, 3),
+                              attributes={"shape": [4, 3], "iter_start": 0, "iter_stop": 1})
+    array[...] = np.arange(12, dtype=np.float32).reshape(4, 3)
+    store = JobStore(stack.redis)
+    store.create(JobRecord(id=stack.job_id, status=JobStatus.succeeded, created_at=1.0, finished_at=2.0,
+                           spec={"kind": "jacobian", "results_url": str(stack.results)},
+                           result={"uri": uri, "shape": [4, 3], "dtype": "float32"}))
+    store.set_shard_plan(stack.job_id, {"shards": 2, "ranges": [[0, 2], [2, 4]], "rows_total": 4})
 
 
 def send(s: Stack, request: dict[str, Any]) -> httpx.Response:
@@ -256,6 +331,66 @@ def test_hostile_request(stack, make, status, text):
     error = r.json()["error"]
     assert set(error) == {"type", "message"} and text in error["message"], error
     assert stack.state() == before
+
+
+def raw_upload(s: Stack, declared_bytes: int, sent: bytes) -> socket.socket:
+    """A POST /v1/jobs that declares ``declared_bytes`` of body and sends only ``sent``; the socket stays open."""
+    sock = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+    sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {declared_bytes}\r\n\r\n".encode() + sent)
+    return sock
+
+
+def requests_counted(s: Stack, status: str) -> float:
+    """``jacobian_http_requests_total`` of POST /v1/jobs with this status code, from the API's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(s.http.get("/metrics").text):
+        for sample in family.samples:
+            if (sample.name == "jacobian_http_requests_total" and sample.labels.get("route") == "/v1/jobs"
+                    and sample.labels.get("method") == "POST" and sample.labels.get("status_code") == status):
+                return sample.value
+    return 0.0
+
+
+def test_client_gone_mid_upload_is_not_a_server_error(stack):
+    """The client sends 1000 of 100000 bytes and closes: counted as 499 (client closed request), no 5xx,
+    no traceback, nothing written."""
+    before, gone_before = stack.state(), requests_counted(stack, "499")
+    sock = raw_upload(stack, 100_000, b" " * 1000)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while requests_counted(stack, "499") == gone_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert requests_counted(stack, "499") == gone_before + 1
+    assert requests_counted(stack, "500") == 0
+    assert "Traceback" not in stack.log_text()
+    assert stack.state() == before
+
+
+def test_stalled_body_is_timed_out(stack):
+    """A body that stops arriving is answered 408 after JACOBIAN_BODY_READ_TIMEOUT_S, and the connection closed."""
+    before = stack.state()
+    start = time.monotonic()
+    with raw_upload(stack, 1000, b'{"model": ') as sock:
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    waited = time.monotonic() - start
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer
+    assert json.loads(body)["error"]["message"].startswith(
+        f"body: nothing received for {BODY_READ_TIMEOUT_S:g} s after 10 bytes (JACOBIAN_BODY_READ_TIMEOUT_S)")
+    assert BODY_READ_TIMEOUT_S <= waited < BODY_READ_TIMEOUT_S + 10
+    assert stack.state() == before
+
+
+@pytest.mark.parametrize("method,url,allow", [("DELETE", "/v1/jobs", "GET, POST"), ("PUT", "/healthz", "GET"),
+                                              ("GET", "/v1/jobs/{id}/cancel", "POST")])
+def test_405_says_what_is_allowed(stack, method, url, allow):
+    r = stack.http.request(method, url.format(id=stack.job_id))
+    assert r.status_code == 405 and r.headers["allow"] == allow
+    assert r.json()["error"]["message"].endswith(f"; use {allow}")
 
 
 def test_no_5xx_no_traceback_and_bounded_memory(stack):
