@@ -26,7 +26,8 @@ from starlette.requests import ClientDisconnect
 from app.errors import (BodyTimeout, BodyTooLarge, ClientClosedRequest, InvalidRequest, MalformedBody, NonFiniteInput,
                         SignatureMismatch)
 from contracts import npz, storage
-from contracts.jobspec import DIFFERENTIABLE_DTYPES, JobCreate, JobOptions, Kind, ModelRef, TensorIn
+from contracts.jobspec import (DIFFERENTIABLE_DTYPES, JobCreate, JobOptions, Kind, ModelRef, RequestedOptions,
+                               TensorIn)
 from contracts.layout import INPUTS, job_url
 from contracts.savedmodel import VARIABLE_PREFIX, Shape, Signature, TensorSpec, strip_variable_suffix
 
@@ -91,7 +92,7 @@ def parse_npz_query(params: Mapping[str, str]) -> tuple[JobOptions, ModelRef]:
         model = ModelRef(path=path, signature=signature)
     except ValidationError as exc:
         raise InvalidRequest(f"model_path/signature: {exc.errors()[0]['msg']}") from None
-    return JobOptions.model_validate(opts), model
+    return RequestedOptions.model_validate(opts), model
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:

@@ -14,6 +14,9 @@ DIFFERENTIABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 STORABLE_DTYPES = ("float16", "float32", "float64")
 JOB_ID_PATTERN = "^[0-9a-f]{32}$"  # uuid4().hex: the only ids the service issues
 MAX_RANK = 32  # dimensions of an input tensor (numpy allows 64, no model input comes near)
+MAX_INT64 = 2**63 - 1
+MAX_CHUNK_ROWS = 2**31 - 1  # the worker clamps a forced chunk to the job's rows anyway
+MAX_SHARDS = 1024
 
 
 class Kind(str, Enum):
@@ -75,11 +78,12 @@ class JobOptions(BaseModel):
     mode: Mode = Mode.auto
     reduce: str | None = Field(None, description="'sum' to take the Hessian of sum(of) for a non-scalar of")
     check_independence: bool = False
-    memory_budget_bytes: int | None = Field(None, gt=0)
+    memory_budget_bytes: int | None = Field(None, gt=0, le=MAX_INT64)
     output_dtype: str | None = Field(None, description="store the result as this float dtype (default: of's dtype)")
     shards: int | None = Field(None, ge=1, description="row-range shards, each its own rq job (null: chosen from the "
                                "row count, the storage blocks and the live workers; see README 'Scale-out')")
-    chunk_rows: int | None = Field(None, ge=1, description="force this compute chunk (rows); default: planned from free memory")
+    chunk_rows: int | None = Field(None, ge=1, le=MAX_CHUNK_ROWS, description="force this compute chunk (rows; "
+                                   "at most the job's rows); default: planned from free memory")
 
     @model_validator(mode="after")
     def _check(self) -> "JobOptions":
@@ -91,7 +95,15 @@ class JobOptions(BaseModel):
         return self
 
 
-class JobCreate(JobOptions):
+class RequestedOptions(JobOptions):
+    """``JobOptions`` as a client sends them (JSON body, ``.npz`` query): ``shards`` bounded as well."""
+
+    shards: int | None = Field(None, ge=1, le=MAX_SHARDS, description="row-range shards, each its own rq job (at "
+                               "most the storage blocks; null: chosen from the row count, the storage blocks and the "
+                               "live workers; see README 'Scale-out')")
+
+
+class JobCreate(RequestedOptions):
     """Body of ``POST /v1/jobs`` (JSON form)."""
 
     model: ModelRef

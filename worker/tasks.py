@@ -164,6 +164,8 @@ def compute_to_storage(problem: Any, *, results_url: str, job_id: str, rows: tup
         chunk_clock["t"] = time.monotonic()
 
     ranges = writer.pending_ranges()
+    if chunk_rows is not None:  # a forced chunk larger than the job would compute padding rows
+        chunk_rows = max(1, min(int(chunk_rows), writer.layout.rows_total))
     if not ranges and rows is None and storage.exists(writer.manifest_url):
         writer.close()  # finished before (e.g. a crash before the status update): keep that manifest
         return dict(json.loads(storage.read_bytes(writer.manifest_url)))

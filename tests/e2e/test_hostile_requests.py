@@ -241,6 +241,15 @@ CASES: list[tuple[str, Request, int, str]] = [
      "inputs.x.shape: 65 dimensions, more than 32"),
     ("empty batch", lambda s: json_post(mlp(inputs={"x": {"shape": [0, 8], "data": []}})), 422,
      "inputs.x.shape: [0, 8] holds no elements"),
+    # options that would fail in the worker
+    ("chunk_rows beyond 64 bits", lambda s: json_post(mlp(chunk_rows=2**64)), 422,
+     "chunk_rows: Input should be less than or equal to 2147483647"),
+    ("shards by the million", lambda s: json_post(mlp(shards=10**6)), 422,
+     "shards: Input should be less than or equal to 1024"),
+    ("npz shards by the million", lambda s: npz_post(npz_bytes(x=np.ones((2, 8), np.float32)), shards="1000000"),
+     422, "shards: Input should be less than or equal to 1024"),
+    ("memory budget beyond 64 bits", lambda s: json_post(mlp(memory_budget_bytes=2**64)), 422,
+     "memory_budget_bytes: Input should be less than or equal to"),
     # JSON that parses into trouble
     ("JSON nested 100000 levels", lambda s: json_post(b"[" * 100_000 + b"]" * 100_000), 400,
      "body: nested too deeply"),

@@ -83,6 +83,17 @@ def submit(conn, results: Path, model_root: Path, x: np.ndarray, *, retries: int
     return job_id
 
 
+def test_chunk_rows_beyond_the_job_is_clamped_to_its_rows(env, redis_conn, model_root, x):
+    """A forced chunk of a million rows on a 12-row job computes 12 rows, not a million padded ones."""
+    job_id = submit(redis_conn, env, model_root, x, chunk_rows=10**6)
+    work_burst(redis_conn)
+    rec = JobStore(redis_conn).get(job_id)
+    assert rec.status == JobStatus.succeeded, rec.error
+    assert rec.plan["chunk_rows"] == 12
+    np.testing.assert_allclose(zarr.open_array(rec.result["uri"], mode="r")[...],
+                               reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
+
+
 def test_job_succeeds_with_progress_plan_manifest_and_exact_result(env, redis_conn, model_root, x):
     job_id = submit(redis_conn, env, model_root, x, chunk_rows=5)
     work_burst(redis_conn)
