@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, Self
 
 import numpy as np
 from pydantic import ValidationError
@@ -197,7 +197,7 @@ class NpzInputs:
     def close(self) -> None:
         self._zip.close()
 
-    def __enter__(self) -> "NpzInputs":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path, PurePath
 from app.errors import InvalidApiKey, InvalidRequest, ModelNotFound, ModelPathNotAllowed
 from contracts.savedmodel import SAVED_MODEL_FILE
 
-
 NAME_MAX_BYTES = 255  # one path component (Linux, most file systems)
 PATH_MAX_BYTES = 4096  # a whole path
 

@@ -6,7 +6,6 @@ import base64
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import math
 import re
@@ -17,7 +16,7 @@ from typing import IO, Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from rq import Queue, Retry
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
@@ -26,16 +25,17 @@ from rq.job import JobStatus as RqStatus
 from starlette.concurrency import run_in_threadpool
 
 from app import inputs as tensors
+from app import rows as result_rows
 from app.deps import JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
 from app.errors import (ApiError, ClientClosedRequest, IdempotencyKeyReused, InvalidRequest, JobNotFinished,
-                        NotReady, RangeNotSatisfiable, UnsupportedMediaType, error_responses)
+                        NotReady, UnsupportedMediaType, error_responses)
 from app.metrics import JOBS_CANCELED, JOBS_REJECTED, JOBS_SUBMITTED
 from app.routes.models import load_signature
 from app.security import check_path_text
 from contracts import storage
 from contracts.jobspec import JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob, is_job_id
 from contracts.jobstore import JobRecord, JobStore
-from contracts.layout import RESULT_ARRAY, Block, ResultLayout, job_url
+from contracts.layout import RESULT_ARRAY, job_url
 from contracts.settings import Settings
 
 TASK = "worker.tasks.run_job"
@@ -322,8 +322,10 @@ def get_result(
 ) -> Response:
     """Rows ``a:b`` of a succeeded job's result as ``.npy``, shaped ``(b - a,) + row_shape``.
 
-    Rows run over the result's iterated axes (``X-Rows-Total``, ``X-Row-Shape`` headers);
-    409 until the job has succeeded, 416 for a range outside the result, 422 for a malformed one.
+    Rows run over the result's iterated axes (``X-Rows-Total``, ``X-Row-Shape`` headers). The answer
+    streams one storage block at a time; a range of several rows is limited to
+    ``JACOBIAN_MAX_BODY_BYTES``, a single row is always served, however large. 409 until the job has
+    succeeded, 416 for a range outside the result, 422 for a malformed one.
     """
     record = store.get(job_id)
     if record.status != JobStatus.succeeded:
@@ -336,72 +338,16 @@ def get_result(
     except (FileNotFoundError, KeyError) as exc:
         raise JobNotFinished(f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); "
                              "results expire, submit the job again") from None
-    layout = layout_of(array)
-    start, stop = parse_rows(rows, layout.rows_total)
+    layout = result_rows.layout_of(array)
+    start, stop = result_rows.parse_rows(rows, layout.rows_total)
     size_bytes = (stop - start) * layout.row_bytes
-    if size_bytes > settings.max_body_bytes:
+    if stop - start > 1 and size_bytes > settings.max_body_bytes:
         per = max(1, settings.max_body_bytes // max(1, layout.row_bytes))
-        raise InvalidRequest(f"rows: {start}:{stop} is {size_bytes} bytes, over {settings.max_body_bytes}; ask "
-                             f"for at most {per} rows at a time, e.g. rows={start}:{min(stop, start + per)}",
-                             field="rows")
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, read_rows(array, layout, start, stop), allow_pickle=False)
+        raise InvalidRequest(f"rows: {start}:{stop} is {size_bytes} bytes, over {settings.max_body_bytes} "
+                             f"(JACOBIAN_MAX_BODY_BYTES); ask for at most {per} rows at a time, e.g. "
+                             f"rows={start}:{min(stop, start + per)} (one row is always served)", field="rows")
     headers = {"Content-Disposition": f'attachment; filename="{job_id}-rows-{start}-{stop}.npy"',
-               "X-Rows-Total": str(layout.rows_total), "X-Row-Shape": json.dumps(list(layout.row_shape))}
-    return Response(buf.getvalue(), media_type=NPY_MEDIA_TYPE, headers=headers)
-
-
-def layout_of(array: Any) -> ResultLayout:
-    """The ``ResultLayout`` from the array attributes ``shape``, ``iter_start``, ``iter_stop``
-    (written by the worker); without them rows are taken along axis 0."""
-    attrs = dict(array.attrs)
-    shape = tuple(int(d) for d in attrs.get("shape", array.shape))
-    default_stop = 1 if shape else 0
-    return ResultLayout(shape=shape, iter_start=int(attrs.get("iter_start", 0)),
-                        iter_stop=int(attrs.get("iter_stop", default_stop)), itemsize=array.dtype.itemsize)
-
-
-def parse_rows(rows: str | None, rows_total: int) -> tuple[int, int]:
-    """``"a:b"``, ``"a:"``, ``":b"`` or ``"a"`` (ASCII digits) -> ``(start, stop)`` within ``0:rows_total``."""
-    fix = f"use rows=a:b with 0 <= a < b <= {rows_total}"
-    if rows is None or rows.strip() in ("", ":"):
-        return 0, rows_total
-    shown = rows if len(rows) <= 40 else rows[:40] + "..."
-    m = _ROWS.fullmatch(rows)
-    if not m or (not m.group(2) and (not m.group(1) or m.group(3))):
-        raise InvalidRequest(f"rows: {shown!r} is not a row range; {fix}", field="rows")
-    if max(len(m.group(1)), len(m.group(3))) > _ROW_DIGITS:  # past any result (and int()'s digit limit)
-        raise RangeNotSatisfiable(f"rows: {shown!r} is outside the result's rows 0:{rows_total}; {fix}",
-                                  field="rows")
-    start = int(m.group(1) or 0)
-    stop = (int(m.group(3)) if m.group(3) else rows_total) if m.group(2) else start + 1
-    if start >= rows_total or stop > rows_total:
-        raise RangeNotSatisfiable(f"rows: {shown!r} is outside the result's rows 0:{rows_total}; {fix}",
-                                  field="rows")
-    if start >= stop:
-        raise InvalidRequest(f"rows: {shown!r} is empty; {fix}", field="rows")
-    return start, stop
-
-
-_ROWS = re.compile(r"[ \t]*([0-9]*)[ \t]*(:?)[ \t]*([0-9]*)[ \t]*")
-_ROW_DIGITS = 18
-
-
-def _block_rows(layout: ResultLayout, block: Block, data: np.ndarray) -> np.ndarray:
-    """A block read in array axis order -> ``(n_rows,) + row_shape`` in row order (inverse of ``place``)."""
-    n_pre, n_it = layout.iter_start, len(block.shape)
-    order = list(range(n_pre, n_pre + n_it)) + list(range(n_pre)) + list(range(n_pre + n_it, data.ndim))
-    return np.transpose(data, order).reshape((math.prod(block.shape),) + layout.row_shape)
-
-
-def read_rows(array: Any, layout: ResultLayout, start: int, stop: int) -> np.ndarray:
-    """Rows ``start:stop`` of the result, reading only the storage blocks that hold them."""
-    parts = []
-    for block in layout.blocks():
-        if block.row_stop <= start or block.row_start >= stop:
-            continue
-        rows = _block_rows(layout, block, np.asarray(array[block.selection]))
-        parts.append(rows[max(start, block.row_start) - block.row_start:min(stop, block.row_stop) - block.row_start])
-    if not parts:
-        return np.empty((0,) + layout.row_shape, dtype=array.dtype)
-    return np.concatenate(parts)
+               "X-Rows-Total": str(layout.rows_total), "X-Row-Shape": json.dumps(list(layout.row_shape)),
+               "Content-Length": str(result_rows.npy_size(array.dtype, (stop - start,) + layout.row_shape))}
+    return StreamingResponse(result_rows.iter_npy(array, layout, start, stop), media_type=NPY_MEDIA_TYPE,
+                             headers=headers)

@@ -273,6 +273,29 @@ def test_result_rows_local(client, redis_conn, results, iter_start, iter_stop, b
         assert r.status_code == 422 and r.json()["error"]["message"].startswith("rows:"), bad
 
 
+def test_a_row_larger_than_the_response_limit_is_streamed(env, redis_conn, results, monkeypatch):
+    """One row of 1600 bytes under a 1000-byte limit: served alone (streamed, Content-Length exact); a range
+    of several rows over the limit says how many rows to ask for at a time."""
+    monkeypatch.setenv("JACOBIAN_MAX_BODY_BYTES", "1000")
+    get_settings.cache_clear()
+    with TestClient(create_app()) as client:
+        job_id = client.post("/v1/jobs", json=mlp_body(batch=1)).json()["id"]
+        full = np.random.default_rng(1).normal(size=(3, 400)).astype(np.float32)
+        uri = f"{results}/{job_id}/jacobian.zarr"
+        write_result(uri, full, 0, 1, 1 << 20)
+        succeed(redis_conn, job_id, uri, full)
+        for rows in ("1", "2:3", "2:"):
+            r = client.get(f"/v1/jobs/{job_id}/result", params={"rows": rows})
+            assert r.status_code == 200, r.text
+            assert int(r.headers["content-length"]) == len(r.content)
+            start = int(rows.split(":")[0])
+            np.testing.assert_array_equal(np.load(io.BytesIO(r.content), allow_pickle=False), full[start:start + 1])
+        r = client.get(f"/v1/jobs/{job_id}/result", params={"rows": "0:2"})
+        assert r.status_code == 422
+        message = r.json()["error"]["message"]
+        assert "ask for at most 1 rows at a time, e.g. rows=0:1 (one row is always served)" in message
+
+
 def test_result_of_failed_job_is_409_with_reason(client, redis_conn):
     job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
     JobStore(redis_conn).update(job_id, status=JobStatus.failed, error={"type": "X", "message": "boom"})
