@@ -7,6 +7,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import math
 import re
 import time
@@ -44,6 +45,8 @@ NPY_MEDIA_TYPE = "application/octet-stream"
 RETRY_INTERVALS_S = [5, 30]
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 MAX_TOKEN_CHARS = 256
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)],
                    responses=error_responses(401))
@@ -295,7 +298,19 @@ def cancel_job(job_id: JobIdDep, store: StoreDep, queue: QueueDep) -> dict[str, 
     if record.status == JobStatus.queued and _cancel_rq_job(job_id, queue):
         store.update(job_id, status=JobStatus.canceled, finished_at=time.time(),
                      error={"type": "Canceled", "message": "canceled before it started"})
+        _remove_job_data(record)
     return store.get(job_id).to_public()
+
+
+def _remove_job_data(record: JobRecord) -> None:
+    """Remove a job's folder (its ``inputs.npz``) once it will never run, as a worker does when it cancels."""
+    results_url = record.spec.get("results_url")
+    if not results_url:
+        return
+    try:
+        storage.delete_prefix(job_url(results_url, record.id))
+    except OSError as exc:  # the job is canceled either way; the folder is only clutter
+        log.warning("job %s: canceled, but its inputs could not be removed: %s", record.id, exc)
 
 
 def _cancel_rq_job(job_id: str, queue: Queue) -> bool:

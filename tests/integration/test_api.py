@@ -205,11 +205,13 @@ def test_unknown_job_is_404(client):
         assert r.json()["error"]["type"] == "JobNotFound" and "nope" in r.json()["error"]["message"]
 
 
-def test_cancel_queued_running_and_finished(client, redis_conn):
+def test_cancel_queued_running_and_finished(client, redis_conn, results):
     store = JobStore(redis_conn)
     queued = client.post("/v1/jobs", json=mlp_body()).json()["id"]
+    assert (results / queued / "inputs.npz").is_file()
     body = client.post(f"/v1/jobs/{queued}/cancel").json()
     assert body["status"] == "canceled" and body["finished_at"]
+    assert not (results / queued).exists()  # it will never run: its inputs are removed
     assert Queue("jacobian", connection=redis_conn).count == 0
     assert fetch_rq(redis_conn, queued).get_status() == "canceled"
     assert store.is_cancel_requested(queued)
@@ -219,7 +221,8 @@ def test_cancel_queued_running_and_finished(client, redis_conn):
     fetch_rq(redis_conn, running).set_status("started")
     store.update(running, status=JobStatus.running)
     assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "running"
-    assert store.is_cancel_requested(running)  # the worker stops between chunks
+    assert store.is_cancel_requested(running)  # the worker stops between chunks (and removes its data)
+    assert (results / running / "inputs.npz").is_file()
 
     store.update(running, status=JobStatus.succeeded)
     assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "succeeded"
