@@ -58,24 +58,26 @@ class JobAccepted(BaseModel):
 
 
 _NPZ_PARAMS = ["model_path", "signature", *JobOptions.model_fields]
+# The .npz body's options travel as query parameters, which a JSON body refuses: OpenAPI cannot tie
+# parameters to one media type, so they are described here rather than declared as parameters.
 _SUBMIT_OPENAPI: dict[str, Any] = {
     "requestBody": {
         "required": True,
+        "description": f"A JSON body (JobCreate, no query parameters), or an .npz body (Content-Type: "
+                       f"{tensors.NPZ_MEDIA_TYPE}, one array per model input) with the options as query "
+                       f"parameters: {', '.join(_NPZ_PARAMS)} (model_path required; values as in JobCreate).",
         "content": {
             JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/JobCreate"}},
             tensors.NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
         },
     },
-    "parameters": [
-        {"name": name, "in": "query", "required": name == "model_path", "schema": {"type": "string"},
-         "description": "only with an application/x-npz body"} for name in _NPZ_PARAMS
-    ],
 }
 
 
 @router.post("", status_code=202, response_model=JobAccepted, openapi_extra=_SUBMIT_OPENAPI,
              responses={400: {"description": "malformed body"}, 403: {"description": "model path not allowed"},
-                        413: {"description": "body or inputs too large"}, 422: {"description": "invalid request"}})
+                        408: {"description": "the body stalled"}, 413: {"description": "body or inputs too large"},
+                        415: {"description": "unsupported Content-Type"}, 422: {"description": "invalid request"}})
 async def create_job(
     request: Request, settings: SettingsDep, store: StoreDep, queue: QueueDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,

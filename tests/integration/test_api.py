@@ -362,13 +362,16 @@ def test_health_and_readiness(client):
 def test_not_ready_without_redis(env, monkeypatch):
     from tests.conftest import free_port
 
-    monkeypatch.setenv("JACOBIAN_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    port = free_port()
+    monkeypatch.setenv("JACOBIAN_REDIS_URL", f"redis://127.0.0.1:{port}/0")
     get_settings.cache_clear()
     with TestClient(create_app()) as c:
         assert c.get("/healthz").status_code == 200
         r = c.get("/readyz")
         assert r.status_code == 503
-        assert r.json()["error"]["type"] == "NotReady" and "redis" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "NotReady" and message.startswith("redis: unreachable (ConnectionError)")
+        assert "127.0.0.1" not in message and str(port) not in message  # /readyz needs no API key
 
 
 def test_redis_down_and_storage_broken_are_503(env, redis_server, tmp_path, monkeypatch):
@@ -506,6 +509,9 @@ def test_openapi_docs(client):
     spec = client.get("/openapi.json").json()
     post = spec["paths"]["/v1/jobs"]["post"]
     assert set(post["requestBody"]["content"]) == {"application/json", "application/x-npz"}
+    # the .npz options are described, not declared as query parameters (which a JSON body refuses)
+    assert not [p for p in post.get("parameters", []) if p["in"] == "query"]
+    assert "model_path required" in post["requestBody"]["description"]
     assert "JobCreate" in spec["components"]["schemas"] and "TensorIn" in spec["components"]["schemas"]
     for path in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/result",
                  "/v1/models/signature", "/healthz", "/readyz", "/metrics"):
