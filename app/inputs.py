@@ -35,18 +35,20 @@ NPZ_MEDIA_TYPE = "application/x-npz"
 
 
 async def read_limited(stream: AsyncIterator[bytes], *, max_bytes: int, content_length: str | None,
-                       read_timeout_s: float | None = None) -> bytes:
+                       read_timeout_s: float | None = None, limit_name: str = "JACOBIAN_MAX_BODY_BYTES") -> bytes:
     """The whole body, refused with ``BodyTooLarge`` once more than ``max_bytes`` have streamed in.
 
     ``Content-Length`` only lets an honest oversized request fail before reading; the count of
     bytes actually received is what is enforced. A body that sends nothing for ``read_timeout_s``
-    raises ``BodyTimeout``; a client that goes away mid-body, ``ClientClosedRequest``.
+    raises ``BodyTimeout``; a client that goes away mid-body, ``ClientClosedRequest``. ``limit_name``
+    is the setting the message names.
     """
-    limit_text = f"{max_bytes} bytes (JACOBIAN_MAX_BODY_BYTES)"
+    limit_text = f"{max_bytes} bytes ({limit_name})"
     declared = content_length.strip() if content_length is not None else ""
     if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
-        raise BodyTooLarge(f"body: Content-Length {declared[:20]} is over the limit of {limit_text}; "
-                           "put large inputs in storage and pass 'inputs_uri'")
+        raise BodyTooLarge(f"body: Content-Length {declared[:20]} is over the limit of {limit_text}; send large "
+                           f"inputs as an .npz body (Content-Type: {NPZ_MEDIA_TYPE}) or put them in storage and "
+                           "pass 'inputs_uri'")
     buf = bytearray()
     chunks = stream.__aiter__()
     while True:
@@ -61,7 +63,8 @@ async def read_limited(stream: AsyncIterator[bytes], *, max_bytes: int, content_
             raise ClientClosedRequest(f"body: the client closed the connection after {len(buf)} bytes") from None
         buf += chunk
         if len(buf) > max_bytes:
-            raise BodyTooLarge(f"body: more than {limit_text}; put large inputs in storage and pass 'inputs_uri'")
+            raise BodyTooLarge(f"body: more than {limit_text}; send large inputs as an .npz body "
+                               f"(Content-Type: {NPZ_MEDIA_TYPE}) or put them in storage and pass 'inputs_uri'")
     return bytes(buf)
 
 
@@ -132,6 +135,11 @@ def arrays_from_json(inputs: Mapping[str, TensorIn], sig: Signature, *, max_elem
     for name, t in inputs.items():
         field = f"inputs.{name}"
         target = _json_dtype(name, t, sig)
+        want = tuple(t.shape)
+        flat = isinstance(t.data, list) and not (t.data and isinstance(t.data[0], list))
+        if flat and len(t.data) != math.prod(want):  # told without building an array of the wrong size
+            raise InvalidRequest(f"{field}.data: has {len(t.data)} values but shape {list(want)} needs "
+                                 f"{math.prod(want)}; fix 'shape' or 'data'", field=field)
         try:
             raw = np.asarray(t.data)
         except ValueError:
@@ -140,7 +148,6 @@ def arrays_from_json(inputs: Mapping[str, TensorIn], sig: Signature, *, max_elem
         if raw.dtype.kind not in "biuf":
             raise InvalidRequest(f"{field}.data: must hold numbers (or booleans), got {raw.dtype.kind!r} data",
                                  field=field)
-        want = tuple(t.shape)
         if raw.size != math.prod(want):
             raise InvalidRequest(f"{field}.data: has {raw.size} values but shape {list(want)} needs "
                                  f"{math.prod(want)}; fix 'shape' or 'data'", field=field)

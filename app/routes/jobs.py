@@ -92,7 +92,10 @@ async def create_job(
         if media not in (JSON_MEDIA_TYPE, tensors.NPZ_MEDIA_TYPE):
             raise UnsupportedMediaType(f"Content-Type: {media!r} is not supported; send {JSON_MEDIA_TYPE} "
                                        f"or {tensors.NPZ_MEDIA_TYPE}")
-        body = await tensors.read_limited(request.stream(), max_bytes=settings.max_body_bytes,
+        max_bytes, limit_name = settings.max_body_bytes, "JACOBIAN_MAX_BODY_BYTES"
+        if media == JSON_MEDIA_TYPE and settings.max_json_body_bytes < max_bytes:  # JSON costs ~10x its size parsed
+            max_bytes, limit_name = settings.max_json_body_bytes, "JACOBIAN_MAX_JSON_BODY_BYTES"
+        body = await tensors.read_limited(request.stream(), max_bytes=max_bytes, limit_name=limit_name,
                                           content_length=request.headers.get("content-length"),
                                           read_timeout_s=settings.body_read_timeout_s)
         job_id, status = await run_in_threadpool(

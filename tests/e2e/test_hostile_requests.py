@@ -251,6 +251,14 @@ CASES: list[tuple[str, Request, int, str]] = [
     ("memory budget beyond 64 bits", lambda s: json_post(mlp(memory_budget_bytes=2**64)), 422,
      "memory_budget_bytes: Input should be less than or equal to"),
     # JSON that parses into trouble
+    ("JSON body over its limit", lambda s: json_post(b'{"model": {"path": "mlp"}, "inputs": {"x": {"shape": [2, 8], '
+                                                    b'"data": [' + b"0.5," * (3 * MIB) + b'0.5]}}}'), 413,
+     "is over the limit of 8388608 bytes (JACOBIAN_MAX_JSON_BODY_BYTES); send large inputs as an .npz body"),
+    ("JSON body over its limit, chunked", lambda s: {**json_post(b""), "content": iter([b"[" + b"0," * MIB] * 10)},
+     413, "body: more than 8388608 bytes (JACOBIAN_MAX_JSON_BODY_BYTES); send large inputs as an .npz body"),
+    ("JSON body at its limit, data not the shape", lambda s: json_post(
+        b'{"model": {"path": "mlp"}, "inputs": {"x": {"shape": [2, 8], "data": [' + b"0.5," * (2 * MIB - 30)
+        + b'0.5]}}}'), 422, "inputs.x.data: has 2097123 values but shape [2, 8] needs 16"),
     ("JSON nested 100000 levels", lambda s: json_post(b"[" * 100_000 + b"]" * 100_000), 400,
      "body: nested too deeply"),
     ("JSON data nested 100000 levels", lambda s: json_post(deep_data(100_000)), 400, "body: nested too deeply"),
