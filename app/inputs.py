@@ -32,6 +32,7 @@ from contracts.layout import INPUTS, job_url
 from contracts.savedmodel import VARIABLE_PREFIX, Shape, Signature, TensorSpec, strip_variable_suffix
 
 NPZ_MEDIA_TYPE = "application/x-npz"
+MAX_JSON_CONTAINERS = 65536  # arrays and objects of one JSON body: a nested (65535, k) tensor at most
 
 
 async def read_limited(stream: AsyncIterator[bytes], *, max_bytes: int, content_length: str | None,
@@ -69,7 +70,14 @@ async def read_limited(stream: AsyncIterator[bytes], *, max_bytes: int, content_
 
 
 def parse_job_json(body: bytes) -> JobCreate:
-    """``POST /v1/jobs`` JSON -> ``JobCreate``; ``MalformedBody`` (400) if not JSON, pydantic errors (422)."""
+    """``POST /v1/jobs`` JSON -> ``JobCreate``; ``MalformedBody`` (400) if not JSON, pydantic errors (422).
+
+    Parsed, each JSON array or object costs about 80 bytes (27 times ``[],``): their number is
+    bounded (``MAX_JSON_CONTAINERS``, counted on the raw bytes) before parsing."""
+    containers = body.count(b"[") + body.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:
+        raise BodyTooLarge(f"body: {containers} JSON arrays and objects, more than {MAX_JSON_CONTAINERS}; send each "
+                           "tensor's data as a flat list with its 'shape', or as an .npz body", field="body")
     try:
         obj = json.loads(body)
     except RecursionError:

@@ -17,6 +17,7 @@ MAX_RANK = 32  # dimensions of an input tensor (numpy allows 64, no model input 
 MAX_INT64 = 2**63 - 1
 MAX_CHUNK_ROWS = 2**31 - 1  # the worker clamps a forced chunk to the job's rows anyway
 MAX_SHARDS = 1024
+MAX_INPUTS = 64  # tensors of one request (inline or .npz members): one per model input
 
 
 class Kind(str, Enum):
@@ -107,8 +108,17 @@ class JobCreate(RequestedOptions):
     """Body of ``POST /v1/jobs`` (JSON form)."""
 
     model: ModelRef
-    inputs: dict[str, TensorIn] | None = None
+    inputs: dict[str, TensorIn] | None = Field(None, description=f"at most {MAX_INPUTS} tensors by input name")
     inputs_uri: str | None = Field(None, description="an .npz in storage (local path, file:// or s3://)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_inputs(cls, data: Any) -> Any:
+        """Counted before any ``TensorIn`` is built (each costs about 1 KiB)."""
+        inputs = data.get("inputs") if isinstance(data, dict) else None
+        if isinstance(inputs, dict) and len(inputs) > MAX_INPUTS:
+            raise ValueError(f"inputs: {len(inputs)} tensors, more than {MAX_INPUTS}; give one per model input")
+        return data
 
     @model_validator(mode="after")
     def _one_source(self) -> "JobCreate":

@@ -21,9 +21,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from contracts.jobspec import MAX_RANK
+from contracts.jobspec import MAX_INPUTS, MAX_RANK
 
-MAX_MEMBERS = 64
+MAX_MEMBERS = MAX_INPUTS
 MAX_DIRECTORY_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16384
 READ_CHUNK_BYTES = 1 << 20

@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     memory_budget_bytes: int | None = None
     queue_name: str = "jacobian"
     max_body_bytes: int = 256 * 1024 * 1024
-    max_json_body_bytes: int = Field(8 * 1024 * 1024, description="a JSON body costs about ten times its size "
+    max_json_body_bytes: int = Field(4 * 1024 * 1024, description="a JSON body costs 8 to 25 times its size "
                                      "while parsed: larger inputs go as an .npz body or inputs_uri")
     max_input_elements: int = 64 * 1024 * 1024
     body_read_timeout_s: float = Field(30.0, gt=0, description="a request body that sends nothing for this long "

@@ -191,6 +191,13 @@ def token(raw: dict[str, Any]) -> str:
     return base64.urlsafe_b64encode(json.dumps(raw).encode()).decode().rstrip("=")
 
 
+def json_data(item: bytes, item_bytes: int, rows: int | None = None) -> bytes:
+    """A JSON body whose data for x is ``item`` repeated ``rows`` times (default: to just under 4 MiB)."""
+    head, tail = b'{"model": {"path": "mlp"}, "inputs": {"x": {"shape": [2, 8], "data": [', b"]}}}"
+    n = (4 * MIB - len(head) - len(tail)) // item_bytes if rows is None else rows
+    return head + item * (n - 1) + item.rstrip(b",") + tail
+
+
 def deep_data(levels: int) -> bytes:
     return (b'{"model": {"path": "mlp"}, "inputs": {"x": {"shape": [1], "data": ' + b"[" * levels + b"0"
             + b"]" * levels + b"}}}")
@@ -252,16 +259,25 @@ CASES: list[tuple[str, Request, int, str]] = [
      "memory_budget_bytes: Input should be less than or equal to"),
     # JSON that parses into trouble
     ("JSON body over its limit", lambda s: json_post(b'{"model": {"path": "mlp"}, "inputs": {"x": {"shape": [2, 8], '
-                                                    b'"data": [' + b"0.5," * (3 * MIB) + b'0.5]}}}'), 413,
-     "is over the limit of 8388608 bytes (JACOBIAN_MAX_JSON_BODY_BYTES); send large inputs as an .npz body"),
-    ("JSON body over its limit, chunked", lambda s: {**json_post(b""), "content": iter([b"[" + b"0," * MIB] * 10)},
-     413, "body: more than 8388608 bytes (JACOBIAN_MAX_JSON_BODY_BYTES); send large inputs as an .npz body"),
-    ("JSON body at its limit, data not the shape", lambda s: json_post(
-        b'{"model": {"path": "mlp"}, "inputs": {"x": {"shape": [2, 8], "data": [' + b"0.5," * (2 * MIB - 30)
-        + b'0.5]}}}'), 422, "inputs.x.data: has 2097123 values but shape [2, 8] needs 16"),
-    ("JSON nested 100000 levels", lambda s: json_post(b"[" * 100_000 + b"]" * 100_000), 400,
-     "body: nested too deeply"),
-    ("JSON data nested 100000 levels", lambda s: json_post(deep_data(100_000)), 400, "body: nested too deeply"),
+                                                    b'"data": [' + b"0.5," * (2 * MIB) + b'0.5]}}}'), 413,
+     "is over the limit of 4194304 bytes (JACOBIAN_MAX_JSON_BODY_BYTES); send large inputs as an .npz body"),
+    ("JSON body over its limit, chunked", lambda s: {**json_post(b""), "content": iter([b"[" + b"0," * MIB] * 5)},
+     413, "body: more than 4194304 bytes (JACOBIAN_MAX_JSON_BODY_BYTES); send large inputs as an .npz body"),
+    ("JSON at its limit, data not the shape", lambda s: json_post(json_data(b"0.5,", 4)), 422,
+     "inputs.x.data: has 1048557 values but shape [2, 8] needs 16"),
+    ("JSON at its limit, a million empty lists", lambda s: json_post(json_data(b"[],", 3)), 413,
+     "body: 1398082 JSON arrays and objects, more than 65536; send each tensor's data as a flat list"),
+    ("JSON of 65000 nested rows", lambda s: json_post(json_data(b"[0.5],", 6, rows=65_000)), 422,
+     "inputs.x.data: has 65000 values but shape [2, 8] needs 16"),
+    ("JSON with 100000 inputs", lambda s: json_post(mlp(inputs={f"a{i}": {"shape": [1], "data": [0]}
+                                                                for i in range(100_000)})), 413,
+     "body: 300003 JSON arrays and objects, more than 65536"),
+    ("JSON with 65 inputs", lambda s: json_post(mlp(inputs={f"a{i}": {"shape": [1], "data": [0]} for i in range(65)})),
+     422, "inputs: 65 tensors, more than 64; give one per model input"),
+    ("JSON nested 30000 levels", lambda s: json_post(b"[" * 30_000 + b"]" * 30_000), 400, "body: nested too deeply"),
+    ("JSON data nested 30000 levels", lambda s: json_post(deep_data(30_000)), 400, "body: nested too deeply"),
+    ("JSON nested 100000 levels", lambda s: json_post(b"[" * 100_000 + b"]" * 100_000), 413,
+     "body: 100000 JSON arrays and objects"),
     ("JSON integer of 5000 digits", lambda s: json_post(b'{"model": {"path": "mlp"}, "shards": ' + b"9" * 5000 + b"}"),
      400, "body: not valid JSON"),
     ("JSON field name not UTF-8", lambda s: json_post(mlp(**{"\ud800": 1})), 422,
