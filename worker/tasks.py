@@ -65,6 +65,10 @@ def load_inputs(uri: str, *, field: str = "inputs_uri") -> dict[str, np.ndarray]
             return npz.load(f, max_bytes=settings.max_input_bytes, max_elements=settings.max_input_elements)
     except (FileNotFoundError, IsADirectoryError) as err:
         raise InvalidInputs(f"{field}: {uri!r} does not exist; give the path or URL of an .npz file") from err
+    except npz.NpzDtypeRefused as err:
+        raise InvalidInputs(f"{field}: {uri!r}: input {err.name!r}: {err}") from err
+    except npz.NpzTooLarge as err:
+        raise InvalidInputs(f"{field}: {uri!r}: {err}; send smaller inputs or split the job") from err
     except npz.NpzError as err:
         raise InvalidInputs(f"{field}: {uri!r} is not a readable .npz ({err}); write it with numpy.savez") from err
 

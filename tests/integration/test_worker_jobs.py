@@ -176,6 +176,27 @@ def test_transient_failure_without_retries_left_ends_failed(env, redis_conn, mod
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == RqStatus.FAILED
 
 
+def test_hostile_inputs_fail_the_job_before_anything_is_inflated(env, redis_conn, model_root, x):
+    """The worker reads inputs.npz with the API's reader (contracts.npz): a member declaring a 64 MiB void
+    dtype over 64 MiB of deflated zeros fails the job as InvalidInputs, from its header alone."""
+    import zipfile
+
+    job_id = submit(redis_conn, env, model_root, x, retries=2)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|V67108864", "fortran_order": False, "shape": (1,)})
+    bomb = env / job_id / "inputs.npz"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zf, zf.open("x.npy", "w", force_zip64=True) as f:
+        f.write(header.getvalue())
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    assert bomb.stat().st_size < 1 << 20
+    work_burst(redis_conn)
+    rec = JobStore(redis_conn).get(job_id)
+    assert rec.status == JobStatus.failed and rec.error["type"] == "InvalidInputs", rec.error
+    assert "inputs.npz': input 'x': dtype '|V67108864' is not a number or boolean type" in rec.error["message"]
+    assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).retries_left == 2  # no retry
+
+
 def test_engine_error_fails_with_clear_message_and_no_retry(env, redis_conn, model_root, x):
     job_id = submit(redis_conn, env, model_root, x, retries=2, wrt="nope")
     work_burst(redis_conn)
