@@ -231,28 +231,41 @@ def _allowed_methods(request: Request) -> str:
     return ", ".join(allowed)
 
 
+def _headers(request: Request, exc: BaseException) -> dict[str, str] | None:
+    """WWW-Authenticate on a 401, Allow on a 405, Connection: close after a stalled body."""
+    if isinstance(exc, InvalidApiKey):
+        return {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, BodyTimeout):
+        return {"Connection": "close"}  # the rest of the body may still arrive: not on this connection
+    if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
+        return {"Allow": _allowed_methods(request)}
+    if isinstance(exc, StarletteHTTPException) and exc.headers:
+        return dict(exc.headers)
+    return None
+
+
+def _routing_message(request: Request, exc: BaseException, message: str) -> str:
+    """Starlette's bare "Not Found" and "Method Not Allowed" said as the field and the fix."""
+    if not isinstance(exc, StarletteHTTPException):
+        return message
+    if exc.status_code == 405 and message == "Method Not Allowed":
+        return (f"method: {request.method[:20]} is not allowed on {request.url.path[:100]}; use "
+                f"{_allowed_methods(request)}")
+    if exc.status_code == 404 and message == "Not Found":
+        return f"path: {request.url.path[:100]!r} does not exist; see /docs for the API's paths"
+    return message
+
+
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     """The one exception handler: domain error -> status code and ``{"error": {type, message}}``."""
     status = status_of(exc)
     if status == 500:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, InvalidApiKey) else None
-    if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
-        headers = {"Allow": _allowed_methods(request)}
-    elif isinstance(exc, StarletteHTTPException) and exc.headers:
-        headers = dict(exc.headers)
-    if isinstance(exc, BodyTimeout):
-        headers = {"Connection": "close"}  # the rest of the body may still arrive: not on this connection
-    message = _message(exc)
-    if isinstance(exc, StarletteHTTPException) and exc.status_code == 405 and message == "Method Not Allowed":
-        message = (f"method: {request.method[:20]} is not allowed on {request.url.path[:100]}; use "
-                   f"{(headers or {}).get('Allow', 'another method')}")
-    elif isinstance(exc, StarletteHTTPException) and exc.status_code == 404 and message == "Not Found":
-        message = f"path: {request.url.path[:100]!r} does not exist; see /docs for the API's paths"
+    message = _routing_message(request, exc, _message(exc))
     # A message may quote the request (a field or input name); JSON answers are UTF-8, lone surrogates are not.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"type": _type(exc), "message": message}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=_headers(request, exc))
 
 
 def install_error_handler(app: FastAPI) -> None:
