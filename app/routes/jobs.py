@@ -25,6 +25,7 @@ from rq.job import Job
 from rq.job import JobStatus as RqStatus
 from starlette.concurrency import run_in_threadpool
 
+from app import checks
 from app import inputs as tensors
 from app import rows as result_rows
 from app.deps import JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
@@ -169,12 +170,12 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
                                           path_field="model.path" if job else "model_path",
                                           signature_field="model.signature" if job else "signature")
 
-    def check(described: Mapping[str, tensors.Described]) -> tuple[str, str]:
-        tensors.check_signature(described, sig)
-        of = tensors.resolve_of(options.of, sig)
-        wrt = tensors.resolve_wrt(options.wrt, sig, info.variables)
-        tensors.check_kind(options, sig, of, wrt, described, info.variables)
-        tensors.check_result_size(options, sig, of, wrt, described, info.variables,
+    def check(described: Mapping[str, checks.Described]) -> tuple[str, str]:
+        checks.check_signature(described, sig)
+        of = checks.resolve_of(options.of, sig)
+        wrt = checks.resolve_wrt(options.wrt, sig, info.variables)
+        checks.check_kind(options, sig, of, wrt, described, info.variables)
+        checks.check_result_size(options, sig, of, wrt, described, info.variables,
                                   max_result_bytes=settings.max_result_bytes)
         return of, wrt
 
@@ -192,7 +193,7 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
                 source = stack.enter_context(tensors.NpzInputs(file, field="inputs_uri", **limits))
             of, wrt = check(source.headers)
             arrays = source.arrays()
-    tensors.check_finite(arrays)
+    checks.check_finite(arrays)
     spec = options.model_dump(exclude={"of", "wrt"})
     queued = QueuedJob(id="", model=ModelRef(path=str(model_dir), signature=model.signature), inputs_uri="",
                        results_url=storage.normalize(settings.results_url), of=of, wrt=wrt, **spec)
