@@ -23,6 +23,7 @@ from tests.procs import Proc, base_env, free_port, jacobian_exe
 
 MIB = 1 << 20
 GIB = 1 << 30
+REDIS_DB = 7
 JSON = {"Content-Type": "application/json"}
 NPZ = {"Content-Type": "application/x-npz"}
 
@@ -37,7 +38,9 @@ class Stack:
         self.results = workdir / "results"
         self.uploads = self.results / "uploads"
         self.uploads.mkdir(parents=True)
+        redis_url = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"  # a database of its own: state() sees only it
         self.redis = redis.Redis.from_url(redis_url)
+        self.redis.flushdb()
         self.queue = f"jacobian-hostile-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -205,6 +205,22 @@ def test_unknown_job_is_404(client):
         assert r.json()["error"]["type"] == "JobNotFound" and "nope" in r.json()["error"]["message"]
 
 
+def test_only_issued_ids_reach_redis_or_the_log(client, redis_conn, caplog):
+    """A path id that the service could not have issued is a 404 before Redis is asked, and is not logged
+    as a job id (the shard hash of a real job is not reachable through '{id}:shards')."""
+    job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
+    redis_conn.hset(f"jacobian:job:{job_id}:shards", "plan", json.dumps({"shards": 2}))
+    before = redis_conn.hgetall(f"jacobian:job:{job_id}:shards")
+    caplog.set_level("INFO")
+    for bad in (f"{job_id}:shards", job_id.upper(), "x" * 300):
+        assert client.get(f"/v1/jobs/{bad}").status_code == 404
+        r = client.post(f"/v1/jobs/{bad}/cancel")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "JobNotFound"
+    assert redis_conn.hgetall(f"jacobian:job:{job_id}:shards") == before
+    assert not [r for r in caplog.records if getattr(r, "job_id", None) not in (None, job_id)]
+    assert client.get(f"/v1/jobs/{job_id}").status_code == 200
+
+
 def test_cancel_queued_running_and_finished(client, redis_conn, results):
     store = JobStore(redis_conn)
     queued = client.post("/v1/jobs", json=mlp_body()).json()["id"]
