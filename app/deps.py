@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis import Redis
 from rq import Queue
@@ -12,7 +12,8 @@ from rq.serializers import JSONSerializer
 
 from app.errors import NotReady
 from app.security import check_api_key
-from contracts.jobstore import JobStore
+from contracts.jobspec import JOB_ID_PATTERN, is_job_id
+from contracts.jobstore import JobNotFound, JobStore
 from contracts.settings import Settings, get_settings
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -43,6 +44,18 @@ def get_queue(redis: RedisDep, settings: SettingsDep) -> Queue:
 
 
 QueueDep = Annotated[Queue, Depends(get_queue)]
+
+
+def job_id_param(job_id: Annotated[str, Path(description="a job id as POST /v1/jobs issued it",
+                                             json_schema_extra={"pattern": JOB_ID_PATTERN})]) -> str:
+    """The path's ``{job_id}``; ``JobNotFound`` (404) before any Redis call unless it is shaped like an id
+    the service issues, so that no other key (``{id}:shards``) can be read or written through it."""
+    if not is_job_id(job_id):
+        raise JobNotFound(job_id)
+    return job_id
+
+
+JobIdDep = Annotated[str, Depends(job_id_param)]
 
 
 _bearer = HTTPBearer(auto_error=False, description="An API key of JACOBIAN_API_KEYS (when any is set).")

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from contracts.jobstore import JobNotFound
 from contracts.savedmodel import SavedModelError, SignatureNotFound
@@ -37,7 +38,8 @@ class ErrorBody(BaseModel):
 
 
 _ERROR_DESCRIPTIONS = {400: "malformed request", 401: "missing or wrong API key", 403: "model path not allowed",
-                       404: "unknown job or model", 409: "the job has not succeeded", 413: "too large",
+                       404: "unknown job or model", 408: "the request body stalled", 409: "the job has not succeeded",
+                       413: "too large",
                        416: "rows outside the result", 422: "invalid request", 503: "not ready"}
 
 
@@ -94,6 +96,14 @@ class BodyTooLarge(ApiError):
     """The body or its tensors are over a configured limit."""
 
 
+class BodyTimeout(ApiError):
+    """The request body stalled for longer than ``body_read_timeout_s``."""
+
+
+class ClientClosedRequest(ApiError):
+    """The client went away before its request was read: no one reads the answer (499, nginx's code)."""
+
+
 class UnsupportedMediaType(ApiError):
     """The Content-Type is neither JSON nor .npz."""
 
@@ -115,6 +125,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidApiKey, 401),
     (ModelPathNotAllowed, 403),
     (JobNotFound, 404),
+    (BodyTimeout, 408),
     (JobNotFinished, 409),
     (BodyTooLarge, 413),
     (UnsupportedMediaType, 415),
@@ -125,6 +136,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidRequest, 422),
     (ValidationError, 422),
     (RequestValidationError, 422),
+    (ClientClosedRequest, 499),
     (NotReady, 503),
     (RedisConnectionError, 503),
     (RedisTimeoutError, 503),
@@ -144,18 +156,26 @@ def status_of(exc: BaseException) -> int:
 _OWN_FIELD = re.compile(r"^[A-Za-z_][\w.]*: ")
 
 
-def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+_WHERE = ("body", "query", "path", "header", "cookie")
+
+
+def _loc(loc: tuple[Any, ...] | list[Any], *, located: bool) -> str:
+    """``("model", "path")`` -> ``"model.path"``; FastAPI's locations (``located``) start with where
+    the value was, ``("query", "limit")``, which is dropped (a field may itself be named ``path``)."""
+    parts = [str(p) for p in loc]
+    if located and parts and parts[0] in _WHERE:
+        parts = parts[1:]
     return ".".join(parts) or "body"
 
 
-def validation_message(errors: list[Any]) -> str:
-    """Pydantic errors as ``"field: what is wrong"`` lines joined by ``"; "``."""
+def validation_message(errors: list[Any], *, located: bool = False) -> str:
+    """Pydantic errors as ``"field: what is wrong"`` lines joined by ``"; "``; ``located`` for FastAPI's
+    request errors, whose locations start with ``body``, ``query``, ``path`` or ``header``."""
     out = []
     for err in errors:
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
-        field = _loc(err.get("loc", ()))
+        field = _loc(err.get("loc", ()), located=located)
         if err.get("type") == "extra_forbidden":
             msg = "unknown field; remove it (see /docs for the accepted fields)"
         elif err.get("type") == "missing":
@@ -170,9 +190,9 @@ def validation_message(errors: list[Any]) -> str:
 
 def _message(exc: BaseException) -> str:
     if isinstance(exc, (ValidationError, RequestValidationError)):
-        return validation_message(list(exc.errors()))
+        return validation_message(list(exc.errors()), located=isinstance(exc, RequestValidationError))
     if isinstance(exc, JobNotFound):
-        return f"id: no job {exc.args[0]!r}; list jobs with GET /v1/jobs"
+        return f"id: no job {str(exc.args[0])[:64]!r}; list jobs with GET /v1/jobs"
     if isinstance(exc, SignatureNotFound):
         return f"model.signature: {exc}"
     if isinstance(exc, SavedModelError):
@@ -198,14 +218,54 @@ def _type(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route answers on this path (Starlette's own 405 names only the first route's)."""
+    allowed = []
+    for method in _METHODS:
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
+def _headers(request: Request, exc: BaseException) -> dict[str, str] | None:
+    """WWW-Authenticate on a 401, Allow on a 405, Connection: close after a stalled body."""
+    if isinstance(exc, InvalidApiKey):
+        return {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, BodyTimeout):
+        return {"Connection": "close"}  # the rest of the body may still arrive: not on this connection
+    if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
+        return {"Allow": _allowed_methods(request)}
+    if isinstance(exc, StarletteHTTPException) and exc.headers:
+        return dict(exc.headers)
+    return None
+
+
+def _routing_message(request: Request, exc: BaseException, message: str) -> str:
+    """Starlette's bare "Not Found" and "Method Not Allowed" said as the field and the fix."""
+    if not isinstance(exc, StarletteHTTPException):
+        return message
+    if exc.status_code == 405 and message == "Method Not Allowed":
+        return (f"method: {request.method[:20]} is not allowed on {request.url.path[:100]}; use "
+                f"{_allowed_methods(request)}")
+    if exc.status_code == 404 and message == "Not Found":
+        return f"path: {request.url.path[:100]!r} does not exist; see /docs for the API's paths"
+    return message
+
+
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     """The one exception handler: domain error -> status code and ``{"error": {type, message}}``."""
     status = status_of(exc)
     if status == 500:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, InvalidApiKey) else None
-    body = {"error": {"type": _type(exc), "message": _message(exc)}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    message = _routing_message(request, exc, _message(exc))
+    # A message may quote the request (a field or input name); JSON answers are UTF-8, lone surrogates are not.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    body = {"error": {"type": _type(exc), "message": message}}
+    return JSONResponse(body, status_code=status, headers=_headers(request, exc))
 
 
 def install_error_handler(app: FastAPI) -> None:

@@ -14,7 +14,7 @@ from redis import ConnectionPool, Redis
 from app.errors import install_error_handler
 from app.metrics import QUEUE_DEPTH, MetricsMiddleware
 from app.routes import health, jobs, models, preview, ui
-from contracts.jobspec import JobCreate
+from contracts.jobspec import JobCreate, is_job_id
 from contracts.logs import configure_logging, job_context
 from contracts.settings import get_settings
 
@@ -35,7 +35,7 @@ class JobLogMiddleware:
             await self.app(scope, receive, send)
             return
         parts = path.rstrip("/").split("/")
-        job_id = parts[3] if len(parts) > 3 else None
+        job_id = parts[3] if len(parts) > 3 and is_job_id(parts[3]) else None  # never a client's made-up text
 
         async def send_wrapper(message: Any) -> None:
             if message["type"] == "http.response.start" and scope.get("method") == "POST" and len(parts) == 3 \

@@ -9,6 +9,31 @@ from pathlib import Path, PurePath
 from app.errors import InvalidApiKey, InvalidRequest, ModelNotFound, ModelPathNotAllowed
 from contracts.savedmodel import SAVED_MODEL_FILE
 
+NAME_MAX_BYTES = 255  # one path component (Linux, most file systems)
+PATH_MAX_BYTES = 4096  # a whole path
+
+
+def check_path_text(path: str, *, field: str, local: bool = True) -> None:
+    """Refuse (``InvalidRequest`` naming ``field``) a path the file system cannot take: a NUL byte,
+    text that is not UTF-8 (lone surrogates) and, for a ``local`` path, a component over 255 bytes
+    or a path over 4096 bytes."""
+    if "\x00" in path:
+        raise InvalidRequest(f"{field}: contains a NUL byte; give a plain path", field=field)
+    try:
+        encoded = path.encode()
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{field}: is not valid UTF-8 text (lone surrogate); give a plain path",
+                             field=field) from None
+    if not local:
+        return
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    if longest > NAME_MAX_BYTES:
+        raise InvalidRequest(f"{field}: has a path component of {longest} bytes, longer than the file system "
+                             f"allows ({NAME_MAX_BYTES}); use shorter names", field=field)
+    if len(encoded) > PATH_MAX_BYTES:
+        raise InvalidRequest(f"{field}: is {len(encoded)} bytes long, longer than the file system allows "
+                             f"({PATH_MAX_BYTES}); use a shorter path", field=field)
+
 
 def _roots_text(roots: Sequence[Path]) -> str:
     return ", ".join(repr(str(r)) for r in roots) or "(none configured: set JACOBIAN_MODEL_ROOTS)"
@@ -24,11 +49,12 @@ def resolve_model_path(path: str, roots: Sequence[str], *, field: str = "model.p
     ``path`` is absolute, or relative to the roots (tried in order; the first that exists wins).
     Symlinks are resolved before the check, so a link inside a root that points outside it is
     refused like any other escape. Raises ``ModelPathNotAllowed`` for ``..`` components, absolute
-    paths outside the roots and symlink escapes, ``InvalidRequest`` for an empty or NUL path.
-    Existence is not checked here (see ``require_saved_model``).
+    paths outside the roots and symlink escapes, ``InvalidRequest`` for an empty path or one the file
+    system cannot take (``check_path_text``). Existence is not checked here (see ``require_saved_model``).
     """
-    if not path or "\x00" in path:
+    if not path:
         raise InvalidRequest(f"{field}: give the SavedModel directory as a non-empty path", field=field)
+    check_path_text(path, field=field)
     real_roots = [Path(r).expanduser().resolve() for r in roots]
     hint = f"give a path under one of the model roots: {_roots_text(real_roots)}"
     pure = PurePath(path)
@@ -56,15 +82,26 @@ def resolve_model_path(path: str, roots: Sequence[str], *, field: str = "model.p
                 f"model roots; {hint}", field=field)
         raise ModelPathNotAllowed(f"{field}: {path!r} is outside the model roots; {hint}", field=field)
     for real in allowed:
-        if real.exists():
+        if _exists(real):
             return real
     return allowed[0]
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # e.g. ENAMETOOLONG once joined to a long root
+        return False
+
+
 def require_saved_model(model_dir: Path, *, field: str = "model.path") -> Path:
     """``model_dir`` if it holds a ``saved_model.pb``; raises ``ModelNotFound`` otherwise."""
-    if not (model_dir / SAVED_MODEL_FILE).is_file():
-        what = "does not exist" if not model_dir.exists() else f"has no {SAVED_MODEL_FILE}"
+    try:
+        found = (model_dir / SAVED_MODEL_FILE).is_file()
+    except OSError:  # e.g. ENAMETOOLONG once joined to a long root
+        found = False
+    if not found:
+        what = "does not exist" if not _exists(model_dir) else f"has no {SAVED_MODEL_FILE}"
         raise ModelNotFound(f"{field}: {str(model_dir)!r} {what}; give the directory of a SavedModel "
                             "(the one that holds saved_model.pb)", field=field)
     return model_dir

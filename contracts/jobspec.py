@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Any
 
@@ -11,6 +12,12 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16"
                     "uint8", "uint16", "uint32", "uint64", "bool")
 DIFFERENTIABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 STORABLE_DTYPES = ("float16", "float32", "float64")
+JOB_ID_PATTERN = "^[0-9a-f]{32}$"  # uuid4().hex: the only ids the service issues
+MAX_RANK = 32  # dimensions of an input tensor (numpy allows 64, no model input comes near)
+MAX_INT64 = 2**63 - 1
+MAX_CHUNK_ROWS = 2**31 - 1  # the worker clamps a forced chunk to the job's rows anyway
+MAX_SHARDS = 1024
+MAX_INPUTS = 64  # tensors of one request (inline or .npz members): one per model input
 
 
 class Kind(str, Enum):
@@ -53,6 +60,8 @@ class TensorIn(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TensorIn":
+        if len(self.shape) > MAX_RANK:
+            raise ValueError(f"shape: {len(self.shape)} dimensions, more than {MAX_RANK}; reshape the input")
         if any(d < 0 for d in self.shape):
             raise ValueError(f"shape: dimensions must be >= 0, got {self.shape}")
         if self.dtype not in SUPPORTED_DTYPES:
@@ -70,11 +79,12 @@ class JobOptions(BaseModel):
     mode: Mode = Mode.auto
     reduce: str | None = Field(None, description="'sum' to take the Hessian of sum(of) for a non-scalar of")
     check_independence: bool = False
-    memory_budget_bytes: int | None = Field(None, gt=0)
+    memory_budget_bytes: int | None = Field(None, gt=0, le=MAX_INT64)
     output_dtype: str | None = Field(None, description="store the result as this float dtype (default: of's dtype)")
     shards: int | None = Field(None, ge=1, description="row-range shards, each its own rq job (null: chosen from the "
                                "row count, the storage blocks and the live workers; see README 'Scale-out')")
-    chunk_rows: int | None = Field(None, ge=1, description="force this compute chunk (rows); default: planned from free memory")
+    chunk_rows: int | None = Field(None, ge=1, le=MAX_CHUNK_ROWS, description="force this compute chunk (rows; "
+                                   "at most the job's rows); default: planned from free memory")
 
     @model_validator(mode="after")
     def _check(self) -> "JobOptions":
@@ -86,12 +96,29 @@ class JobOptions(BaseModel):
         return self
 
 
-class JobCreate(JobOptions):
+class RequestedOptions(JobOptions):
+    """``JobOptions`` as a client sends them (JSON body, ``.npz`` query): ``shards`` bounded as well."""
+
+    shards: int | None = Field(None, ge=1, le=MAX_SHARDS, description="row-range shards, each its own rq job (at "
+                               "most the storage blocks; null: chosen from the row count, the storage blocks and the "
+                               "live workers; see README 'Scale-out')")
+
+
+class JobCreate(RequestedOptions):
     """Body of ``POST /v1/jobs`` (JSON form)."""
 
     model: ModelRef
-    inputs: dict[str, TensorIn] | None = None
+    inputs: dict[str, TensorIn] | None = Field(None, description=f"at most {MAX_INPUTS} tensors by input name")
     inputs_uri: str | None = Field(None, description="an .npz in storage (local path, file:// or s3://)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_inputs(cls, data: Any) -> Any:
+        """Counted before any ``TensorIn`` is built (each costs about 1 KiB)."""
+        inputs = data.get("inputs") if isinstance(data, dict) else None
+        if isinstance(inputs, dict) and len(inputs) > MAX_INPUTS:
+            raise ValueError(f"inputs: {len(inputs)} tensors, more than {MAX_INPUTS}; give one per model input")
+        return data
 
     @model_validator(mode="after")
     def _one_source(self) -> "JobCreate":
@@ -117,6 +144,14 @@ class QueuedJob(JobOptions):
     def rq_id(self) -> str:
         """The rq job id: the job id, or ``{id}-s{shard}`` for a shard."""
         return self.id if self.shard is None else shard_job_id(self.id, self.shard)
+
+
+def is_job_id(text: str) -> bool:
+    """True for a string shaped like the ids the service issues (32 lowercase hex digits)."""
+    return _JOB_ID.fullmatch(text) is not None
+
+
+_JOB_ID = re.compile("[0-9a-f]{32}")
 
 
 def shard_job_id(job_id: str, index: int) -> str:

@@ -30,7 +30,13 @@ class Settings(BaseSettings):
     memory_budget_bytes: int | None = None
     queue_name: str = "jacobian"
     max_body_bytes: int = 256 * 1024 * 1024
+    max_json_body_bytes: int = Field(4 * 1024 * 1024, description="a JSON body costs 8 to 25 times its size "
+                                     "while parsed: larger inputs go as an .npz body or inputs_uri")
     max_input_elements: int = 64 * 1024 * 1024
+    body_read_timeout_s: float = Field(30.0, gt=0, description="a request body that sends nothing for this long "
+                                       "is answered 408")
+    max_input_bytes: int = Field(512 * 1024 * 1024, description="bytes of all input tensors of a job together, "
+                                 "decoded (itemsize x elements), however they are sent")
     max_result_bytes: int = 1 << 40
     job_timeout_s: int = 24 * 3600
     result_ttl_s: int = 7 * 24 * 3600

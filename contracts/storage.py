@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:
     import zarr
@@ -121,6 +121,18 @@ def read_bytes(url: str) -> bytes:
     if is_remote(url):
         return bytes(_s3_fs(_s3_options()).cat_file(_s3_path(url)))
     return _local_path(url).read_bytes()
+
+
+def open_file(url: str) -> BinaryIO:
+    """``url`` opened for binary reading, seekable (S3 reads ranges on demand); raises
+    ``FileNotFoundError`` when absent, ``IsADirectoryError`` for a local folder."""
+    if is_remote(url):
+        fs = _s3_fs(_s3_options())
+        path = _s3_path(url)
+        if not fs.isfile(path):
+            raise IsADirectoryError(url) if fs.isdir(path) else FileNotFoundError(url)
+        return fs.open(path, "rb")  # type: ignore[no-any-return]
+    return open(_local_path(url), "rb")
 
 
 def exists(url: str) -> bool:

@@ -8,7 +8,6 @@ TensorFlow and the engine are imported lazily, inside the functions that need th
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import redis
 
-from contracts import storage
+from contracts import npz, storage
 from contracts.jobspec import JobStatus, QueuedJob, finalizer_job_id, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord, JobStore, merge_shard_progress
 from contracts.layout import job_url
@@ -54,19 +53,23 @@ def effective_budget(job_bytes: int | None, operator_bytes: int | None) -> int |
 
 
 def load_inputs(uri: str, *, field: str = "inputs_uri") -> dict[str, np.ndarray]:
-    """The arrays of the ``.npz`` at ``uri`` (local path, ``file://`` or ``s3://``).
+    """The arrays of the ``.npz`` at ``uri`` (local path, ``file://`` or ``s3://``), read by
+    ``contracts.npz``: headers checked against ``JACOBIAN_MAX_INPUT_BYTES`` and ``_ELEMENTS`` first.
 
-    Raises ``InvalidInputs`` (naming ``field``) when absent or unreadable; other ``OSError`` when
-    storage fails.
+    Raises ``InvalidInputs`` (naming ``field``) when absent, unreadable or over a limit; other
+    ``OSError`` when storage fails.
     """
+    settings = get_settings()
     try:
-        data = storage.read_bytes(uri)
+        with storage.open_file(uri) as f:
+            return npz.load(f, max_bytes=settings.max_input_bytes, max_elements=settings.max_input_elements)
     except (FileNotFoundError, IsADirectoryError) as err:
         raise InvalidInputs(f"{field}: {uri!r} does not exist; give the path or URL of an .npz file") from err
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files}
-    except (ValueError, OSError, EOFError) as err:
+    except npz.NpzDtypeRefused as err:
+        raise InvalidInputs(f"{field}: {uri!r}: input {err.name!r}: {err}") from err
+    except npz.NpzTooLarge as err:
+        raise InvalidInputs(f"{field}: {uri!r}: {err}; send smaller inputs or split the job") from err
+    except npz.NpzError as err:
         raise InvalidInputs(f"{field}: {uri!r} is not a readable .npz ({err}); write it with numpy.savez") from err
 
 
@@ -86,6 +89,26 @@ def block_bytes_from_env() -> int | None:
     return int(value) if value else None
 
 
+def progress_dict(rows_done: int, rows_total: int, rows_per_second: float) -> dict[str, Any]:
+    """A job's ``progress``: rows done of ``rows_total``, fraction, rate (rows/s) and ETA (s, None: unknown)."""
+    left = rows_total - rows_done
+    return {"rows_done": rows_done, "rows_total": rows_total,
+            "fraction": 1.0 if rows_total == 0 else round(rows_done / rows_total, 6),
+            "rows_per_second": round(rows_per_second, 3),
+            "eta_seconds": 0.0 if left <= 0 else (round(left / rows_per_second, 3) if rows_per_second > 0 else None)}
+
+
+def at_least(progress: dict[str, Any], rows_done: int) -> dict[str, Any]:
+    """``progress`` with ``rows_done`` raised to ``rows_done`` (what an earlier attempt reported).
+
+    A resumed attempt restarts from the committed blocks, behind the rows the last one reported (handed
+    to the writer, not yet committed); progress keeps the larger count until the new attempt passes it.
+    """
+    if progress["rows_done"] >= rows_done:
+        return progress
+    return progress_dict(min(rows_done, progress["rows_total"]), progress["rows_total"], progress["rows_per_second"])
+
+
 @dataclass
 class Progress:
     """Rows done out of ``rows_total``; the rate counts only rows computed in this run (rows/s)."""
@@ -102,11 +125,7 @@ class Progress:
     def snapshot(self) -> dict[str, Any]:
         elapsed_s = max(time.monotonic() - self.started_s, 1e-9)
         rate = self.rows_this_run / elapsed_s if self.rows_this_run else 0.0
-        left = self.rows_total - self.rows_done
-        return {"rows_done": self.rows_done, "rows_total": self.rows_total,
-                "fraction": 1.0 if self.rows_total == 0 else round(self.rows_done / self.rows_total, 6),
-                "rows_per_second": round(rate, 3),
-                "eta_seconds": 0.0 if left == 0 else (round(left / rate, 3) if rate > 0 else None)}
+        return progress_dict(self.rows_done, self.rows_total, rate)
 
 
 def _iso(ts: float) -> str:
@@ -170,6 +189,8 @@ def compute_to_storage(problem: Any, *, results_url: str, job_id: str, rows: tup
         chunk_clock["t"] = time.monotonic()
 
     ranges = writer.pending_ranges()
+    if chunk_rows is not None:  # a forced chunk larger than the job would compute padding rows
+        chunk_rows = max(1, min(int(chunk_rows), writer.layout.rows_total))
     if not ranges and rows is None and storage.exists(writer.manifest_url):
         writer.close()  # finished before (e.g. a crash before the status update): keep that manifest
         return dict(json.loads(storage.read_bytes(writer.manifest_url)))
@@ -354,8 +375,10 @@ class JobRun:
         def on_plan(plan: dict[str, Any]) -> None:
             store.update(job.id, plan={**plan, "shards": 1})
 
+        reported = int((record.progress or {}).get("rows_done") or 0)  # by an earlier attempt
+
         def on_progress(progress: dict[str, Any]) -> None:
-            store.update(job.id, progress=progress)
+            store.update(job.id, progress=at_least(progress, reported))
 
         def compute(rows: tuple[int, int] | None, refine: str = "auto") -> dict[str, Any]:
             return compute_to_storage(
@@ -543,6 +566,7 @@ class JobRun:
         engine_plan = Plan.from_json(plan["engine_plan"]) if plan.get("engine_plan") else None
         problem, engine_plan = self._problem(plan=engine_plan)
         last = {"rows_done": None}
+        reported = int(store.shard_progress(job.id).get(index, {}).get("rows_done") or 0)  # by an earlier attempt
 
         def on_plan(plan_now: dict[str, Any]) -> None:
             store.update(job.id, plan={**plan_now, "shards": job.shards})
@@ -551,7 +575,7 @@ class JobRun:
             # rows computed by this attempt since the last report (the first report is the resume point)
             computed = 0 if last["rows_done"] is None else progress["rows_done"] - last["rows_done"]
             last["rows_done"] = progress["rows_done"]
-            store.update_shard_progress(job.id, index, progress, computed_rows=computed)
+            store.update_shard_progress(job.id, index, at_least(progress, reported), computed_rows=computed)
 
         compute_to_storage(
             problem, results_url=job.results_url, job_id=job.id, rows=job.rows, create=False,
@@ -664,17 +688,34 @@ def split_rows(blocks: list[Any], shards: int) -> list[tuple[int, int]]:
     return out
 
 
-def live_workers(connection: Any, queue: Any) -> int:
-    """rq workers registered for ``queue`` whose worker key has not expired (dead ones expire)."""
-    from rq import worker_registration
+def live_workers(connection: Any, queue: Any, *, recent_s: float | None = None) -> int:
+    """rq workers of ``queue`` whose last heartbeat is at most ``recent_s`` old (default: twice the longest
+    gap between a live worker's heartbeats, ``JACOBIAN_WORKER_HEARTBEAT_S`` while busy and
+    ``JACOBIAN_WORKER_MAINTENANCE_S`` while idle). A killed worker's key outlives it by a minute or more;
+    its ``last_heartbeat`` stops. Heartbeats carry the worker's clock: keep the machines' clocks in sync."""
+    from datetime import datetime, timezone
 
+    from rq import worker_registration
+    from rq.utils import utcparse
+
+    if recent_s is None:
+        settings = get_settings()
+        recent_s = 2.0 * max(settings.worker_heartbeat_s, settings.worker_maintenance_s)
     keys = worker_registration.get_keys(queue=queue, connection=connection)
     if not keys:
         return 0
     with connection.pipeline() as pipe:
         for key in keys:
-            pipe.exists(key)
-        return sum(1 for alive in pipe.execute() if alive)
+            pipe.hget(key, "last_heartbeat")
+        beats = pipe.execute()
+    now = datetime.now(timezone.utc)
+    alive = 0
+    for beat in beats:
+        try:
+            alive += bool(beat) and (now - utcparse(beat.decode())).total_seconds() <= recent_s
+        except ValueError:  # not rq's timestamp format: not a worker we can judge
+            continue
+    return alive
 
 
 def _layout(problem: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,6 +15,7 @@ from app.errors import NotReady
 from app.metrics import render
 from contracts import storage
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 READY_TIMEOUT_S = 5.0
@@ -37,13 +39,17 @@ def _probe_storage(results_url: str) -> None:
     storage.write_bytes(storage.join(results_url, READY_PROBE), b"ok")
 
 
-async def _check(fn: Any, *args: Any) -> str:
+async def _check(name: str, fn: Any, *args: Any) -> str:
+    """``"ok"``, or what failed in words an unauthenticated caller may read (no host, port or path: those
+    go to the log)."""
     try:
         await asyncio.wait_for(run_in_threadpool(fn, *args), timeout=READY_TIMEOUT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
+        log.warning("readyz: %s timed out after %g s", name, READY_TIMEOUT_S)
         return f"timed out after {READY_TIMEOUT_S:g} s"
-    except Exception as exc:  # any failure means not ready; the message says which
-        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # any failure means not ready; the log says what exactly
+        log.warning("readyz: %s failed: %s: %s", name, type(exc).__name__, exc)
+        return f"unreachable ({type(exc).__name__})"
     return "ok"
 
 
@@ -51,8 +57,8 @@ async def _check(fn: Any, *args: Any) -> str:
 async def readyz(request: Request, settings: SettingsDep) -> dict[str, Any]:
     """200 ``{"status": "ready", "checks": {...}}`` when Redis answers PING and the results storage
     accepts a small write (``{results_url}/.readyz``); 503 naming what failed otherwise."""
-    redis_state, storage_state = await asyncio.gather(_check(_ping_redis, request),
-                                                      _check(_probe_storage, settings.results_url))
+    redis_state, storage_state = await asyncio.gather(_check("redis", _ping_redis, request),
+                                                      _check("storage", _probe_storage, settings.results_url))
     checks = {"redis": redis_state, "storage": storage_state}
     failed = "; ".join(f"{k}: {v}" for k, v in checks.items() if v != "ok")
     if failed:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
-import io
 import json
+import logging
 import math
 import re
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from rq import Queue, Retry
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
@@ -23,16 +25,19 @@ from rq.job import Job
 from rq.job import JobStatus as RqStatus
 from starlette.concurrency import run_in_threadpool
 
+from app import checks
 from app import inputs as tensors
-from app.deps import QueueDep, SettingsDep, StoreDep, require_api_key
-from app.errors import (ApiError, IdempotencyKeyReused, InvalidRequest, JobNotFinished, NotReady,
-                        RangeNotSatisfiable, UnsupportedMediaType, error_responses)
+from app import rows as result_rows
+from app.deps import JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
+from app.errors import (ApiError, ClientClosedRequest, IdempotencyKeyReused, InvalidRequest, JobNotFinished,
+                        NotReady, UnsupportedMediaType, error_responses)
 from app.metrics import JOBS_CANCELED, JOBS_REJECTED, JOBS_SUBMITTED
 from app.routes.models import load_signature
+from app.security import check_path_text
 from contracts import storage
-from contracts.jobspec import JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob
+from contracts.jobspec import JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob, is_job_id
 from contracts.jobstore import JobRecord, JobStore
-from contracts.layout import RESULT_ARRAY, Block, ResultLayout, job_url
+from contracts.layout import RESULT_ARRAY, job_url
 from contracts.settings import Settings
 
 TASK = "worker.tasks.run_job"
@@ -40,6 +45,9 @@ JSON_MEDIA_TYPE = "application/json"
 NPY_MEDIA_TYPE = "application/octet-stream"
 RETRY_INTERVALS_S = [5, 30]
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+MAX_TOKEN_CHARS = 256
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)],
                    responses=error_responses(401))
@@ -51,24 +59,26 @@ class JobAccepted(BaseModel):
 
 
 _NPZ_PARAMS = ["model_path", "signature", *JobOptions.model_fields]
+# The .npz body's options travel as query parameters, which a JSON body refuses: OpenAPI cannot tie
+# parameters to one media type, so they are described here rather than declared as parameters.
 _SUBMIT_OPENAPI: dict[str, Any] = {
     "requestBody": {
         "required": True,
+        "description": f"A JSON body (JobCreate, no query parameters), or an .npz body (Content-Type: "
+                       f"{tensors.NPZ_MEDIA_TYPE}, one array per model input) with the options as query "
+                       f"parameters: {', '.join(_NPZ_PARAMS)} (model_path required; values as in JobCreate).",
         "content": {
             JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/JobCreate"}},
             tensors.NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
         },
     },
-    "parameters": [
-        {"name": name, "in": "query", "required": name == "model_path", "schema": {"type": "string"},
-         "description": "only with an application/x-npz body"} for name in _NPZ_PARAMS
-    ],
 }
 
 
 @router.post("", status_code=202, response_model=JobAccepted, openapi_extra=_SUBMIT_OPENAPI,
              responses={400: {"description": "malformed body"}, 403: {"description": "model path not allowed"},
-                        413: {"description": "body or inputs too large"}, 422: {"description": "invalid request"}})
+                        408: {"description": "the body stalled"}, 413: {"description": "body or inputs too large"},
+                        415: {"description": "unsupported Content-Type"}, 422: {"description": "invalid request"}})
 async def create_job(
     request: Request, settings: SettingsDep, store: StoreDep, queue: QueueDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
@@ -83,11 +93,17 @@ async def create_job(
         if media not in (JSON_MEDIA_TYPE, tensors.NPZ_MEDIA_TYPE):
             raise UnsupportedMediaType(f"Content-Type: {media!r} is not supported; send {JSON_MEDIA_TYPE} "
                                        f"or {tensors.NPZ_MEDIA_TYPE}")
-        body = await tensors.read_limited(request.stream(), max_bytes=settings.max_body_bytes,
-                                          content_length=request.headers.get("content-length"))
+        max_bytes, limit_name = settings.max_body_bytes, "JACOBIAN_MAX_BODY_BYTES"
+        if media == JSON_MEDIA_TYPE and settings.max_json_body_bytes < max_bytes:  # JSON costs ~10x its size parsed
+            max_bytes, limit_name = settings.max_json_body_bytes, "JACOBIAN_MAX_JSON_BODY_BYTES"
+        body = await tensors.read_limited(request.stream(), max_bytes=max_bytes, limit_name=limit_name,
+                                          content_length=request.headers.get("content-length"),
+                                          read_timeout_s=settings.body_read_timeout_s)
         job_id, status = await run_in_threadpool(
             submit, body, media, dict(request.query_params), settings=settings, store=store, queue=queue,
             idempotency_key=idempotency_key)
+    except ClientClosedRequest:
+        raise  # not a refusal: nobody is left to read the answer
     except (ApiError, ValidationError) as exc:
         JOBS_REJECTED.labels(type(exc).__name__).inc()
         raise
@@ -136,7 +152,11 @@ def fingerprint(queued: QueuedJob, arrays: Mapping[str, np.ndarray]) -> str:
 
 def validate(body: bytes, media: str, query: Mapping[str, str],
              settings: Settings) -> tuple[QueuedJob, dict[str, np.ndarray]]:
-    """Everything checked before anything is written; returns the spec (id and URIs blank) and inputs."""
+    """Everything checked before anything is written; returns the spec (id and URIs blank) and inputs.
+
+    Shapes and dtypes (from the JSON or from the ``.npz`` headers) are checked against the signature,
+    the kind and the result size limit before any ``.npz`` data is inflated.
+    """
     if media == tensors.NPZ_MEDIA_TYPE:
         options, model = tensors.parse_npz_query(query)
         job: JobCreate | None = None
@@ -149,35 +169,58 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
     model_dir, info, sig = load_signature(model.path, model.signature, settings.model_roots,
                                           path_field="model.path" if job else "model_path",
                                           signature_field="model.signature" if job else "signature")
-    if job is None:
-        arrays = tensors.arrays_from_npz(body, max_elements=settings.max_input_elements)
-    elif job.inputs is not None:
-        arrays = tensors.arrays_from_json(job.inputs, sig, max_elements=settings.max_input_elements)
+
+    def check(described: Mapping[str, checks.Described]) -> tuple[str, str]:
+        checks.check_signature(described, sig)
+        of = checks.resolve_of(options.of, sig)
+        wrt = checks.resolve_wrt(options.wrt, sig, info.variables)
+        checks.check_kind(options, sig, of, wrt, described, info.variables)
+        checks.check_result_size(options, sig, of, wrt, described, info.variables,
+                                  max_result_bytes=settings.max_result_bytes)
+        return of, wrt
+
+    limits = {"max_bytes": settings.max_input_bytes, "max_elements": settings.max_input_elements}
+    if job is not None and job.inputs is not None:
+        arrays = tensors.arrays_from_json(job.inputs, sig, **limits)
+        of, wrt = check(arrays)
     else:
-        arrays = tensors.arrays_from_npz(_read_inputs_uri(str(job.inputs_uri), settings),
-                                         max_elements=settings.max_input_elements, field="inputs_uri")
-    tensors.check_inputs(arrays, sig)
-    of = tensors.resolve_of(options.of, sig)
-    wrt = tensors.resolve_wrt(options.wrt, sig, info.variables)
-    tensors.check_kind(options, sig, of, wrt, arrays, info.variables)
-    tensors.check_result_size(options, sig, of, wrt, arrays, info.variables,
-                              max_result_bytes=settings.max_result_bytes)
+        with contextlib.ExitStack() as stack:
+            if job is None:
+                source = stack.enter_context(tensors.NpzInputs(body, field="body", **limits))
+            else:
+                uri = str(job.inputs_uri)
+                file = stack.enter_context(_open_inputs_uri(uri, settings))
+                source = stack.enter_context(tensors.NpzInputs(file, field="inputs_uri", **limits))
+            of, wrt = check(source.headers)
+            arrays = source.arrays()
+    checks.check_finite(arrays)
     spec = options.model_dump(exclude={"of", "wrt"})
     queued = QueuedJob(id="", model=ModelRef(path=str(model_dir), signature=model.signature), inputs_uri="",
                        results_url=storage.normalize(settings.results_url), of=of, wrt=wrt, **spec)
     return queued, arrays
 
 
-def _read_inputs_uri(uri: str, settings: Settings) -> bytes:
-    """The .npz at ``uri``, which must lie under the results storage (the service reads nothing else)."""
+def _open_inputs_uri(uri: str, settings: Settings) -> IO[bytes]:
+    """The .npz at ``uri`` opened for reading; it must lie under the results storage (the service
+    reads nothing else) and be a file."""
+    check_path_text(uri, field="inputs_uri", local=not storage.is_remote(uri))
     base = storage.normalize(settings.results_url).rstrip("/") + "/"
     if ".." in uri.split("/") or not storage.normalize(uri).startswith(base):
         raise InvalidRequest(f"inputs_uri: {uri!r} is not under the results storage {base!r}; upload the .npz "
                              "there or send it as the body (Content-Type: application/x-npz)", field="inputs_uri")
     try:
-        return storage.read_bytes(uri)
+        return storage.open_file(uri)
     except FileNotFoundError:
         raise InvalidRequest(f"inputs_uri: nothing at {uri!r}; upload the .npz first", field="inputs_uri") from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise InvalidRequest(f"inputs_uri: {uri!r} is a folder, not a file; give the URL of the .npz itself",
+                             field="inputs_uri") from None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise InvalidRequest(f"inputs_uri: {uri[:80]!r}... is longer than the file system allows; use a "
+                                 "shorter name", field="inputs_uri") from None
+        raise NotReady(f"storage: cannot read inputs_uri ({type(exc).__name__}); retry later (see GET /readyz)") \
+            from None
 
 
 def enqueue(job_id: str, queued: QueuedJob, arrays: Mapping[str, np.ndarray], *, settings: Settings,
@@ -225,25 +268,33 @@ def _encode_token(created_at: float, job_id: str) -> str:
 
 
 def _decode_token(token: str) -> tuple[float, str | None]:
+    """``(created_at, id)`` of a token this service issued; anything else is a 422 naming ``page_token``."""
+    error = InvalidRequest("page_token: not a token from a previous page; omit it to start from the newest job",
+                           field="page_token")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise error
     try:
         raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        job_id = raw.get("id")
-        if job_id is not None and not isinstance(job_id, str):
-            raise TypeError("id")
-        return float(raw["before"]), job_id
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise InvalidRequest("page_token: not a token from a previous page; omit it to start from the newest job",
-                             field="page_token") from None
+    except (ValueError, RecursionError):  # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise error from None
+    if not isinstance(raw, dict) or set(raw) - {"before", "id"}:
+        raise error
+    before, job_id = raw.get("before"), raw.get("id")
+    if isinstance(before, bool) or not isinstance(before, (int, float)) or not math.isfinite(before) or before < 0:
+        raise error
+    if job_id is not None and not (isinstance(job_id, str) and is_job_id(job_id)):
+        raise error
+    return float(before), job_id
 
 
 @router.get("/{job_id}", responses=error_responses(404))
-def get_job(job_id: str, store: StoreDep) -> dict[str, Any]:
+def get_job(job_id: JobIdDep, store: StoreDep) -> dict[str, Any]:
     """Status, progress, chunk plan, result and error of one job (404 if unknown)."""
     return store.get(job_id).to_public()
 
 
 @router.post("/{job_id}/cancel", responses=error_responses(404))
-def cancel_job(job_id: str, store: StoreDep, queue: QueueDep) -> dict[str, Any]:
+def cancel_job(job_id: JobIdDep, store: StoreDep, queue: QueueDep) -> dict[str, Any]:
     """Request cancellation: a queued job is canceled now; a running one stops at its next chunk boundary."""
     record = store.get(job_id)
     JOBS_CANCELED.labels(record.status.value).inc()
@@ -253,7 +304,19 @@ def cancel_job(job_id: str, store: StoreDep, queue: QueueDep) -> dict[str, Any]:
     if record.status == JobStatus.queued and _cancel_rq_job(job_id, queue):
         store.update(job_id, status=JobStatus.canceled, finished_at=time.time(),
                      error={"type": "Canceled", "message": "canceled before it started"})
+        _remove_job_data(record)
     return store.get(job_id).to_public()
+
+
+def _remove_job_data(record: JobRecord) -> None:
+    """Remove a job's folder (its ``inputs.npz``) once it will never run, as a worker does when it cancels."""
+    results_url = record.spec.get("results_url")
+    if not results_url:
+        return
+    try:
+        storage.delete_prefix(job_url(results_url, record.id))
+    except OSError as exc:  # the job is canceled either way; the folder is only clutter
+        log.warning("job %s: canceled, but its inputs could not be removed: %s", record.id, exc)
 
 
 def _cancel_rq_job(job_id: str, queue: Queue) -> bool:
@@ -275,13 +338,15 @@ def _cancel_rq_job(job_id: str, queue: Queue) -> bool:
             responses={200: {"content": {NPY_MEDIA_TYPE: {}}, "description": "rows a:b as .npy bytes"},
                        **error_responses(404, 409, 416)})
 def get_result(
-    job_id: str, store: StoreDep, settings: SettingsDep,
+    job_id: JobIdDep, store: StoreDep, settings: SettingsDep,
     rows: Annotated[str | None, Query(description="row range 'a:b' (0-based, b exclusive); default all")] = None,
 ) -> Response:
     """Rows ``a:b`` of a succeeded job's result as ``.npy``, shaped ``(b - a,) + row_shape``.
 
-    Rows run over the result's iterated axes (``X-Rows-Total``, ``X-Row-Shape`` headers);
-    409 until the job has succeeded, 416 for a range outside the result, 422 for a malformed one.
+    Rows run over the result's iterated axes (``X-Rows-Total``, ``X-Row-Shape`` headers). The answer
+    streams one storage block at a time; a range of several rows is limited to
+    ``JACOBIAN_MAX_BODY_BYTES``, a single row is always served, however large. 409 until the job has
+    succeeded, 416 for a range outside the result, 422 for a malformed one.
     """
     record = store.get(job_id)
     if record.status != JobStatus.succeeded:
@@ -294,64 +359,16 @@ def get_result(
     except (FileNotFoundError, KeyError) as exc:
         raise JobNotFinished(f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); "
                              "results expire, submit the job again") from None
-    layout = layout_of(array)
-    start, stop = parse_rows(rows, layout.rows_total)
+    layout = result_rows.layout_of(array)
+    start, stop = result_rows.parse_rows(rows, layout.rows_total)
     size_bytes = (stop - start) * layout.row_bytes
-    if size_bytes > settings.max_body_bytes:
+    if stop - start > 1 and size_bytes > settings.max_body_bytes:
         per = max(1, settings.max_body_bytes // max(1, layout.row_bytes))
-        raise InvalidRequest(f"rows: {start}:{stop} is {size_bytes} bytes, over {settings.max_body_bytes}; ask "
-                             f"for at most {per} rows at a time, e.g. rows={start}:{min(stop, start + per)}",
-                             field="rows")
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, read_rows(array, layout, start, stop), allow_pickle=False)
+        raise InvalidRequest(f"rows: {start}:{stop} is {size_bytes} bytes, over {settings.max_body_bytes} "
+                             f"(JACOBIAN_MAX_BODY_BYTES); ask for at most {per} rows at a time, e.g. "
+                             f"rows={start}:{min(stop, start + per)} (one row is always served)", field="rows")
     headers = {"Content-Disposition": f'attachment; filename="{job_id}-rows-{start}-{stop}.npy"',
-               "X-Rows-Total": str(layout.rows_total), "X-Row-Shape": json.dumps(list(layout.row_shape))}
-    return Response(buf.getvalue(), media_type=NPY_MEDIA_TYPE, headers=headers)
-
-
-def layout_of(array: Any) -> ResultLayout:
-    """The ``ResultLayout`` from the array attributes ``shape``, ``iter_start``, ``iter_stop``
-    (written by the worker); without them rows are taken along axis 0."""
-    attrs = dict(array.attrs)
-    shape = tuple(int(d) for d in attrs.get("shape", array.shape))
-    default_stop = 1 if shape else 0
-    return ResultLayout(shape=shape, iter_start=int(attrs.get("iter_start", 0)),
-                        iter_stop=int(attrs.get("iter_stop", default_stop)), itemsize=array.dtype.itemsize)
-
-
-def parse_rows(rows: str | None, rows_total: int) -> tuple[int, int]:
-    """``"a:b"``, ``"a:"``, ``":b"`` or ``"a"`` -> ``(start, stop)`` within ``0:rows_total``."""
-    fix = f"use rows=a:b with 0 <= a < b <= {rows_total}"
-    if rows is None or rows.strip() in ("", ":"):
-        return 0, rows_total
-    m = re.fullmatch(r"\s*(\d*)\s*(:?)\s*(\d*)\s*", rows)
-    if not m or (not m.group(2) and (not m.group(1) or m.group(3))):
-        raise InvalidRequest(f"rows: {rows!r} is not a row range; {fix}", field="rows")
-    start = int(m.group(1) or 0)
-    stop = (int(m.group(3)) if m.group(3) else rows_total) if m.group(2) else start + 1
-    if start >= rows_total or stop > rows_total:
-        raise RangeNotSatisfiable(f"rows: {rows!r} is outside the result's rows 0:{rows_total}; {fix}",
-                                  field="rows")
-    if start >= stop:
-        raise InvalidRequest(f"rows: {rows!r} is empty; {fix}", field="rows")
-    return start, stop
-
-
-def _block_rows(layout: ResultLayout, block: Block, data: np.ndarray) -> np.ndarray:
-    """A block read in array axis order -> ``(n_rows,) + row_shape`` in row order (inverse of ``place``)."""
-    n_pre, n_it = layout.iter_start, len(block.shape)
-    order = list(range(n_pre, n_pre + n_it)) + list(range(n_pre)) + list(range(n_pre + n_it, data.ndim))
-    return np.transpose(data, order).reshape((math.prod(block.shape),) + layout.row_shape)
-
-
-def read_rows(array: Any, layout: ResultLayout, start: int, stop: int) -> np.ndarray:
-    """Rows ``start:stop`` of the result, reading only the storage blocks that hold them."""
-    parts = []
-    for block in layout.blocks():
-        if block.row_stop <= start or block.row_start >= stop:
-            continue
-        rows = _block_rows(layout, block, np.asarray(array[block.selection]))
-        parts.append(rows[max(start, block.row_start) - block.row_start:min(stop, block.row_stop) - block.row_start])
-    if not parts:
-        return np.empty((0,) + layout.row_shape, dtype=array.dtype)
-    return np.concatenate(parts)
+               "X-Rows-Total": str(layout.rows_total), "X-Row-Shape": json.dumps(list(layout.row_shape)),
+               "Content-Length": str(result_rows.npy_size(array.dtype, (stop - start,) + layout.row_shape))}
+    return StreamingResponse(result_rows.iter_npy(array, layout, start, stop), media_type=NPY_MEDIA_TYPE,
+                             headers=headers)

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 
-from app.deps import StoreDep, require_api_key
+from app.deps import JobIdDep, StoreDep, require_api_key
 from app.errors import JobNotFinished, error_responses
 from app.heatmap import block_mean, placeholder, render
 from contracts import storage
@@ -94,7 +94,7 @@ def render_preview(array: Any, *, kind: str | None, panels: int, size: int) -> t
             responses={200: {"content": {PNG_MEDIA_TYPE: {}}, "description": "the heatmap as PNG"},
                        404: {"description": "unknown job"}, 409: {"description": "the job has not succeeded"}})
 def get_preview(
-    job_id: str, store: StoreDep,
+    job_id: JobIdDep, store: StoreDep,
     panels: Annotated[int, Query(ge=1, le=16, description="batch Jacobians: examples shown, one panel each")] = 4,
     size: Annotated[int, Query(ge=16, le=1024, description="at most this many cells per side (block means)")] = 512,
 ) -> Response:

@@ -205,11 +205,29 @@ def test_unknown_job_is_404(client):
         assert r.json()["error"]["type"] == "JobNotFound" and "nope" in r.json()["error"]["message"]
 
 
-def test_cancel_queued_running_and_finished(client, redis_conn):
+def test_only_issued_ids_reach_redis_or_the_log(client, redis_conn, caplog):
+    """A path id that the service could not have issued is a 404 before Redis is asked, and is not logged
+    as a job id (the shard hash of a real job is not reachable through '{id}:shards')."""
+    job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
+    redis_conn.hset(f"jacobian:job:{job_id}:shards", "plan", json.dumps({"shards": 2}))
+    before = redis_conn.hgetall(f"jacobian:job:{job_id}:shards")
+    caplog.set_level("INFO")
+    for bad in (f"{job_id}:shards", job_id.upper(), "x" * 300):
+        assert client.get(f"/v1/jobs/{bad}").status_code == 404
+        r = client.post(f"/v1/jobs/{bad}/cancel")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "JobNotFound"
+    assert redis_conn.hgetall(f"jacobian:job:{job_id}:shards") == before
+    assert not [r for r in caplog.records if getattr(r, "job_id", None) not in (None, job_id)]
+    assert client.get(f"/v1/jobs/{job_id}").status_code == 200
+
+
+def test_cancel_queued_running_and_finished(client, redis_conn, results):
     store = JobStore(redis_conn)
     queued = client.post("/v1/jobs", json=mlp_body()).json()["id"]
+    assert (results / queued / "inputs.npz").is_file()
     body = client.post(f"/v1/jobs/{queued}/cancel").json()
     assert body["status"] == "canceled" and body["finished_at"]
+    assert not (results / queued).exists()  # it will never run: its inputs are removed
     assert Queue("jacobian", connection=redis_conn).count == 0
     assert fetch_rq(redis_conn, queued).get_status() == "canceled"
     assert store.is_cancel_requested(queued)
@@ -219,7 +237,8 @@ def test_cancel_queued_running_and_finished(client, redis_conn):
     fetch_rq(redis_conn, running).set_status("started")
     store.update(running, status=JobStatus.running)
     assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "running"
-    assert store.is_cancel_requested(running)  # the worker stops between chunks
+    assert store.is_cancel_requested(running)  # the worker stops between chunks (and removes its data)
+    assert (results / running / "inputs.npz").is_file()
 
     store.update(running, status=JobStatus.succeeded)
     assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "succeeded"
@@ -271,6 +290,29 @@ def test_result_rows_local(client, redis_conn, results, iter_start, iter_stop, b
     for bad in ("a:b", "0:0", "-1:2", "1:2:3", "1:x"):
         r = client.get(f"/v1/jobs/{job_id}/result", params={"rows": bad})
         assert r.status_code == 422 and r.json()["error"]["message"].startswith("rows:"), bad
+
+
+def test_a_row_larger_than_the_response_limit_is_streamed(env, redis_conn, results, monkeypatch):
+    """One row of 1600 bytes under a 1000-byte limit: served alone (streamed, Content-Length exact); a range
+    of several rows over the limit says how many rows to ask for at a time."""
+    monkeypatch.setenv("JACOBIAN_MAX_BODY_BYTES", "1000")
+    get_settings.cache_clear()
+    with TestClient(create_app()) as client:
+        job_id = client.post("/v1/jobs", json=mlp_body(batch=1)).json()["id"]
+        full = np.random.default_rng(1).normal(size=(3, 400)).astype(np.float32)
+        uri = f"{results}/{job_id}/jacobian.zarr"
+        write_result(uri, full, 0, 1, 1 << 20)
+        succeed(redis_conn, job_id, uri, full)
+        for rows in ("1", "2:3", "2:"):
+            r = client.get(f"/v1/jobs/{job_id}/result", params={"rows": rows})
+            assert r.status_code == 200, r.text
+            assert int(r.headers["content-length"]) == len(r.content)
+            start = int(rows.split(":")[0])
+            np.testing.assert_array_equal(np.load(io.BytesIO(r.content), allow_pickle=False), full[start:start + 1])
+        r = client.get(f"/v1/jobs/{job_id}/result", params={"rows": "0:2"})
+        assert r.status_code == 422
+        message = r.json()["error"]["message"]
+        assert "ask for at most 1 rows at a time, e.g. rows=0:1 (one row is always served)" in message
 
 
 def test_result_of_failed_job_is_409_with_reason(client, redis_conn):
@@ -336,13 +378,16 @@ def test_health_and_readiness(client):
 def test_not_ready_without_redis(env, monkeypatch):
     from tests.conftest import free_port
 
-    monkeypatch.setenv("JACOBIAN_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    port = free_port()
+    monkeypatch.setenv("JACOBIAN_REDIS_URL", f"redis://127.0.0.1:{port}/0")
     get_settings.cache_clear()
     with TestClient(create_app()) as c:
         assert c.get("/healthz").status_code == 200
         r = c.get("/readyz")
         assert r.status_code == 503
-        assert r.json()["error"]["type"] == "NotReady" and "redis" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "NotReady" and message.startswith("redis: unreachable (ConnectionError)")
+        assert "127.0.0.1" not in message and str(port) not in message  # /readyz needs no API key
 
 
 def test_redis_down_and_storage_broken_are_503(env, redis_server, tmp_path, monkeypatch):
@@ -351,7 +396,7 @@ def test_redis_down_and_storage_broken_are_503(env, redis_server, tmp_path, monk
     monkeypatch.setenv("JACOBIAN_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
     get_settings.cache_clear()
     with TestClient(create_app()) as c:
-        r = c.get("/v1/jobs/some-id")
+        r = c.get("/v1/jobs/" + "0" * 32)  # shaped like an id: only then is Redis asked
         assert r.status_code == 503 and r.json()["error"]["message"].startswith("redis:")
     monkeypatch.setenv("JACOBIAN_REDIS_URL", redis_server.url)
     blocker = tmp_path / "not-a-dir"
@@ -480,6 +525,9 @@ def test_openapi_docs(client):
     spec = client.get("/openapi.json").json()
     post = spec["paths"]["/v1/jobs"]["post"]
     assert set(post["requestBody"]["content"]) == {"application/json", "application/x-npz"}
+    # the .npz options are described, not declared as query parameters (which a JSON body refuses)
+    assert not [p for p in post.get("parameters", []) if p["in"] == "query"]
+    assert "model_path required" in post["requestBody"]["description"]
     assert "JobCreate" in spec["components"]["schemas"] and "TensorIn" in spec["components"]["schemas"]
     for path in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/result",
                  "/v1/models/signature", "/healthz", "/readyz", "/metrics"):

@@ -113,6 +113,7 @@ JSON_CASES = [
     ("dotdot escape", mlp(model={"path": "mlp/../../outside/mlp"}), 403, "model.path"),
     ("symlink escape", mlp(model={"path": "escape"}), 403, "model.path"),
     ("no such model", mlp(model={"path": "nothing-here"}), 422, "model.path"),
+    ("empty model path", mlp(model={"path": ""}), 422, "model.path: String should have at least 1 character"),
     ("unknown signature", mlp(model={"path": "mlp", "signature": "nope"}), 422, "model.signature"),
     ("too many elements", mlp(inputs={"x": x((200, 8))}), 413, "inputs"),
     ("inputs_uri outside storage", {"model": {"path": "mlp"}, "inputs_uri": "/etc/hosts"}, 422, "inputs_uri"),
@@ -226,7 +227,8 @@ NPZ_CASES = [
     ("npz wrong dtype", npz_bytes(x=np.zeros((2, 8), np.float64)), {"model_path": "mlp"}, 422, "inputs.x.dtype"),
     ("npz inf input", npz_bytes(x=np.full((2, 8), np.inf, np.float32)), {"model_path": "mlp"}, 422, "inputs.x"),
     ("npz too many elements", npz_bytes(x=np.zeros((1, 1001), np.uint8)), {"model_path": "mlp"}, 413, "inputs"),
-    ("npz object array", npz_bytes(x=np.array([{"pickled": 1}], dtype=object)), {"model_path": "mlp"}, 400, "body"),
+    ("npz object array", npz_bytes(x=np.array([{"pickled": 1}], dtype=object)), {"model_path": "mlp"}, 422,
+     "inputs.x.dtype: dtype '|O' is not a number"),
     ("npz bad kind", npz_bytes(x=np.zeros((2, 8), np.float32)), {"model_path": "mlp", "kind": "x"}, 422, "kind"),
     ("npz path outside", npz_bytes(x=np.zeros((2, 8), np.float32)), {"model_path": "/etc"}, 403, "model_path"),
 ]

@@ -142,6 +142,32 @@ def test_shard_rule_and_split():
                       "eta_seconds": 3.0}
 
 
+def test_live_workers_are_those_with_a_recent_heartbeat(redis_conn, monkeypatch):
+    """A killed worker's key lives on for a minute or more (its TTL); its heartbeat stops. Only workers
+    that beat recently count for the shard rule (a resumed job was split over a dead worker before)."""
+    from datetime import timedelta
+
+    from rq import Worker
+    from rq.utils import now, utcformat
+
+    from worker.tasks import live_workers
+
+    monkeypatch.setenv("JACOBIAN_WORKER_HEARTBEAT_S", "10")
+    monkeypatch.setenv("JACOBIAN_WORKER_MAINTENANCE_S", "15")
+    get_settings.cache_clear()
+    queue = Queue("live-workers", connection=redis_conn, serializer=JSONSerializer)
+    up, killed = (Worker([queue], connection=redis_conn, name=name) for name in ("up", "killed"))
+    up.register_birth()
+    killed.register_birth()
+    redis_conn.hset(killed.key, "last_heartbeat", utcformat(now() - timedelta(seconds=65)))  # its last beat
+    assert redis_conn.ttl(killed.key) > 0  # still registered
+    assert live_workers(redis_conn, queue) == 1  # default window: 2 x max(heartbeat 10 s, maintenance 15 s)
+    assert live_workers(redis_conn, queue, recent_s=70) == 2
+    redis_conn.hset(up.key, "last_heartbeat", "not a time")
+    assert live_workers(redis_conn, queue, recent_s=70) == 1
+    get_settings.cache_clear()
+
+
 # -- two worker processes ---------------------------------------------------------------------------
 
 

@@ -83,6 +83,17 @@ def submit(conn, results: Path, model_root: Path, x: np.ndarray, *, retries: int
     return job_id
 
 
+def test_chunk_rows_beyond_the_job_is_clamped_to_its_rows(env, redis_conn, model_root, x):
+    """A forced chunk of a million rows on a 12-row job computes 12 rows, not a million padded ones."""
+    job_id = submit(redis_conn, env, model_root, x, chunk_rows=10**6)
+    work_burst(redis_conn)
+    rec = JobStore(redis_conn).get(job_id)
+    assert rec.status == JobStatus.succeeded, rec.error
+    assert rec.plan["chunk_rows"] == 12
+    np.testing.assert_allclose(zarr.open_array(rec.result["uri"], mode="r")[...],
+                               reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
+
+
 def test_job_succeeds_with_progress_plan_manifest_and_exact_result(env, redis_conn, model_root, x):
     job_id = submit(redis_conn, env, model_root, x, chunk_rows=5)
     work_burst(redis_conn)
@@ -129,12 +140,23 @@ def test_transient_storage_failure_is_retried_by_rq_and_resumes(env, redis_conn,
         return real_run(problem, **kwargs)
 
     monkeypatch.setattr(worker.engine, "run_problem", spy_run)
+    reported = []
+    real_update = JobStore.update
+
+    def spy_update(self, job_id, **fields):
+        if "progress" in fields:
+            reported.append(fields["progress"]["rows_done"])
+        real_update(self, job_id, **fields)
+
+    monkeypatch.setattr(JobStore, "update", spy_update)
     job_id = submit(redis_conn, env, model_root, x, retries=1, chunk_rows=4)
     work_burst(redis_conn)  # the retried job is requeued at once and taken by the same burst
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded and rec.error is None
     assert [c[0] for c in calls] == [[(0, 12)], [(6, 12)]]  # blocks 0-2 committed before the failure
-    assert calls[1][1] == 6  # progress counts committed rows from the start of the resumed attempt
+    # The first attempt handed all 12 rows to the writer before block 3's commit failed; the resumed one
+    # restarts from the 6 committed rows. Progress keeps the 12 reported (it went back to 6 before).
+    assert calls[1][1] == 12 and reported == sorted(reported) and reported[-1] == 12, reported
     np.testing.assert_allclose(zarr.open_array(rec.result["uri"], mode="r")[:],
                                reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
@@ -152,6 +174,27 @@ def test_transient_failure_without_retries_left_ends_failed(env, redis_conn, mod
     assert rec.status == JobStatus.failed
     assert rec.error["type"] == "ResultWriteError" and "after 2 attempts" in rec.error["message"]
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == RqStatus.FAILED
+
+
+def test_hostile_inputs_fail_the_job_before_anything_is_inflated(env, redis_conn, model_root, x):
+    """The worker reads inputs.npz with the API's reader (contracts.npz): a member declaring a 64 MiB void
+    dtype over 64 MiB of deflated zeros fails the job as InvalidInputs, from its header alone."""
+    import zipfile
+
+    job_id = submit(redis_conn, env, model_root, x, retries=2)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|V67108864", "fortran_order": False, "shape": (1,)})
+    bomb = env / job_id / "inputs.npz"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zf, zf.open("x.npy", "w", force_zip64=True) as f:
+        f.write(header.getvalue())
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    assert bomb.stat().st_size < 1 << 20
+    work_burst(redis_conn)
+    rec = JobStore(redis_conn).get(job_id)
+    assert rec.status == JobStatus.failed and rec.error["type"] == "InvalidInputs", rec.error
+    assert "inputs.npz': input 'x': dtype '|V67108864' is not a number or boolean type" in rec.error["message"]
+    assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).retries_left == 2  # no retry
 
 
 def test_engine_error_fails_with_clear_message_and_no_retry(env, redis_conn, model_root, x):
