@@ -329,9 +329,13 @@ class ResultWriter:
         storage.delete_prefix(self.committed_url)
         storage.delete_prefix(self.array_url)
         self._committed = set()
+        from zarr.codecs import ZstdCodec
+
+        # zstd level 1: zarr's default ratio on Jacobians (dense ones barely compress, block-diagonal
+        # ones a lot) for less CPU, which the compute shares (-0.35 s of 7.7 s on 602 MB here).
         return zarr.create_array(store=storage.zarr_store(self.array_url, read_only=False), shape=shape,
                                  chunks=chunks, dtype=self.dtype, fill_value=0, attributes=self.attrs,
-                                 overwrite=True)
+                                 compressors=[ZstdCodec(level=1)], overwrite=True)
 
     def _open_existing(self) -> Any:
         """The array written by several writers at once (shards): opened, never deleted or recreated."""

@@ -156,3 +156,22 @@ def test_a_size_checked_before_runs_without_eager_code(loaded, monkeypatch):
 
     monkeypatch.setattr(runner._Run, "eager_row", no_eager)
     run_problem(build_problem(model, inputs), plan=first.learned, chunk_rows=4)
+
+
+def test_a_job_runs_the_strategy_that_finishes_it_first_counting_compiles(loaded):
+    """A plan whose fastest strategy is costly to compile: a short job in a process that has not
+    compiled it runs the other; a long one compiles it; the plan keeps its steady-state choice."""
+    from worker.engine import Plan, StrategyRecord
+    from worker.engine.runner import _strategy_for_job, applicable_labels
+
+    model = loaded("cnn")
+    problem = build_problem(model, {"image": rand((3, 8, 8, 3))})
+    applicable = applicable_labels(problem)
+    plan = Plan(strategy="vectorized", strategies={
+        "vectorized": StrategyRecord(status="ok", verified=True, compile_s=100.0, rates={16: 200.0}),
+        "tiled": StrategyRecord(status="ok", verified=True, compile_s=1.0, rates={16: 100.0})})
+    model.compiled._fns.clear()  # nothing compiled in this process
+    assert _strategy_for_job(problem, plan, applicable, rows=1000) == "tiled"          # 11 s vs 105 s
+    assert _strategy_for_job(problem, plan, applicable, rows=1_000_000) == "vectorized"  # 10001 s vs 5100 s
+    report = run_problem(problem, plan=plan)   # 15 rows: tiled runs, the plan still says vectorized
+    assert report.plan["strategy"] == "tiled" and report.learned.strategy == "vectorized"

@@ -104,3 +104,12 @@ def test_preferred_chunk_is_the_largest_near_the_best_rate():
     assert tuning.preferred_rows({8: 90.0, 16: 100.0, 32: 97.0}) == 32
     assert tuning.preferred_rows({8: 90.0, 16: 100.0, 32: 80.0}) == 16
     assert tuning.preferred_rows({}) is None
+
+
+def test_compiling_the_faster_strategy_is_bought_once_renting_has_lost_its_cost():
+    # one-shot: this job alone loses 4.5 s by renting, compiling the faster one costs 6.5 s
+    assert not tuning.buy_compile(rent_job_s=8.1, best_rows_s=3.6, compile_s=6.5, regret_s=0.0)
+    # a worker's second job: 4.5 s lost before, 2.1 s now
+    assert tuning.buy_compile(rent_job_s=5.7, best_rows_s=3.6, compile_s=6.5, regret_s=4.5)
+    # a long job pays for the compile on its own
+    assert tuning.buy_compile(rent_job_s=31.1, best_rows_s=18.2, compile_s=6.5, regret_s=0.0)

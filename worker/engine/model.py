@@ -28,6 +28,7 @@ class CompiledChunks:
     def __init__(self) -> None:
         self._fns: dict[Any, Any] = {}
         self._sizes: dict[Any, set[int]] = {}
+        self.regret_s: dict[str, float] = {}   # per plan: time lost in this process by not compiling its best
         self._lock = threading.Lock()
 
     def sizes(self, key: Any) -> set[int]:

@@ -406,11 +406,17 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
     plan = plan or default_plan(problem)
     if plan.strategy not in applicable or not plan.current.usable:
         plan.strategy = default_plan(problem).strategy
+    todo = list(ranges) if ranges is not None else [(0, problem.rows_total)]
+    steady = plan.strategy
+    if strategy is None:
+        plan.strategy = _strategy_for_job(problem, plan, applicable, sum(hi - lo for lo, hi in todo))
     run = _Run(problem, plan, probe, budget=memory_budget_bytes, chunk_rows=chunk_rows, throughput_cap=throughput_cap,
                refine="never" if strategy is not None else refine, try_xla=try_xla, pinned=strategy is not None,
                on_plan=on_plan)
-    todo = list(ranges) if ranges is not None else [(0, problem.rows_total)]
+    job_strategy = plan.strategy
     rows_done, compute_s = run.execute(todo, applicable, on_chunk=on_chunk, should_stop=should_stop)
+    if plan.strategy == job_strategy and plan.record(steady).usable:
+        plan.strategy = steady  # the plan keeps its steady-state choice; this job ran what finished it first
     plan.work_s += compute_s
     plan.jobs += 1
     plan.updated_at = time.time()
@@ -420,6 +426,35 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
                        seconds=time.perf_counter() - t_start, peak_bytes=run.peak, failures=dict(run.failures))
     log.info("run done: %d rows in %.3f s, plan %s", rows_done, report.seconds, report.plan)
     return report
+
+
+def _strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: int) -> str:
+    """Among the plan's verified and timed strategies, the one to run this job (``tuning.buy_compile``)."""
+    known = {label: r for label, r in plan.strategies.items()
+             if label in applicable and r.status == "ok" and r.verified and r.best_rate()}
+    if plan.strategy not in known or len(known) < 2:
+        return plan.strategy
+
+    def compile_s(label: str) -> float:
+        return 0.0 if is_compiled(problem, label) else float(known[label].compile_s or 0.0)
+
+    def rows_s(label: str) -> float:
+        return rows / float(known[label].best_rate() or 1e-9)
+
+    best = min(known, key=rows_s)
+    rent = min(known, key=lambda label: compile_s(label) + rows_s(label))
+    if rent == best or compile_s(best) == 0.0:
+        return best
+    digest = plan.key.digest if plan.key else ""
+    regret = problem.model.compiled.regret_s.get(digest, 0.0)
+    rent_s = compile_s(rent) + rows_s(rent)
+    if tuning.buy_compile(rent_job_s=rent_s, best_rows_s=rows_s(best), compile_s=compile_s(best), regret_s=regret):
+        problem.model.compiled.regret_s[digest] = 0.0
+        return best
+    problem.model.compiled.regret_s[digest] = regret + max(rent_s - rows_s(best), 0.0)
+    log.info("this job runs %s (%.1f s expected) rather than the plan's faster %s (%.1f s to compile here)",
+             rent, rent_s, best, compile_s(best))
+    return rent
 
 
 def _fall_back(run: _Run, applicable: list[str], label: str, why: str, *, status: str = "failed") -> None:
