@@ -219,10 +219,16 @@ class _Run:
             return
         cal.calls[k] = cal.calls.get(k, 0) + 1
         cal.peaks[k] = max(cal.peaks.get(k, 0), peak)
-        if cal.calls[k] == 1:
-            return  # a size's first call is slower (trace, allocator, oneDNN primitives): time the second
-        cal.seconds[k] = seconds
-        record.rates[k] = round(k / max(seconds, 1e-9), 3)
+        if self.throughput_cap:
+            if cal.calls[k] == 1:
+                return  # a size's first call is slower (trace, allocator, oneDNN primitives): time the next two
+            cal.seconds[k] = min(seconds, cal.seconds.get(k, seconds))
+            if cal.calls[k] < 1 + tuning.TIMED_CALLS:
+                record.rates[k] = round(k / max(cal.seconds[k], 1e-9), 3)
+                return
+        else:  # planned by memory alone: the first call's peak (the higher one) is all it needs
+            cal.seconds[k] = seconds
+        record.rates[k] = round(k / max(cal.seconds[k], 1e-9), 3)
         if cal.first_call_s is not None and record.compile_s is None and k == min(cal.seconds):
             record.compile_s = round(max(cal.first_call_s - seconds, 0.0), 3)
         grow = tuning.keep_growing(dict(cal.seconds), k,

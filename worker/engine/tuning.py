@@ -19,8 +19,8 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   compile (``buy_compile``). A one-shot ``jacobian compute`` of 1000 MobileNet rows stays on ``tiled``
   (2.4 s compile) although ``vectorized`` is 1.6x faster per row (6.5 s compile); a worker switches
   after a job or two.
-- Calibration: each chunk size runs twice (the first call of a size is slower: allocator and
-  oneDNN primitives), growing by doubling from ``FIRST_ROWS`` while rows/s improve by
+- Calibration: each chunk size runs three times (the first call of a size is slower: allocator and
+  oneDNN primitives; the faster of the next two counts), growing by doubling from ``FIRST_ROWS`` while rows/s improve by
   ``MIN_GROWTH_GAIN`` (measured, and predicted for the next size) and the measured peak, doubled
   with a margin, still fits the memory limit. The chunk kept is the largest within ``FAST_ENOUGH``
   of the best rows/s, so calibration rarely peaks above the job's own chunks, and never above the
@@ -33,6 +33,7 @@ import statistics
 from typing import Iterable
 
 FIRST_ROWS = 8            # the first chunk of an uncalibrated strategy
+TIMED_CALLS = 2           # steady calls timed per calibrated size (the faster counts: single timings are noisy)
 MIN_GROWTH_GAIN = 0.15    # a doubled chunk (twice the memory) must be this much faster per row to keep growing
 FIRST_CALL_MARGIN = 1.25  # a new chunk size's first call can peak this much above its steady calls
 FAST_ENOUGH = 0.95        # the preferred chunk: the smallest within 5 % of the best rows/s measured
