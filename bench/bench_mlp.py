@@ -44,6 +44,8 @@ def one_run(path: Path, x: np.ndarray, repeats: int, peers: dict) -> list[dict]:
 
     model = load_model(str(path))
     problem, plan, jobs, t_refine = ours_until_refined(model, x)
+    # Separate blocks of timings, as before: timed in turn (ours, JAX, ours, ...), each call pays for the
+    # other runtime's thread pool still spinning (ours / JAX measured 1.05 interleaved, 0.98 in blocks).
     t_ours = median_seconds(lambda: run_problem(problem, plan=plan), repeats=repeats)
     ours, report = compute_in_memory(model, {"x": x}, kind="batch_jacobian", plan=plan)
     t_call = median_seconds(lambda: compute_in_memory(model, {"x": x}, kind="batch_jacobian", plan=plan),
@@ -128,7 +130,7 @@ def main() -> None:
         shutil.copytree(path, copy)  # a fresh LoadedModel: nothing compiled, no plan
         peers = measure_peers(path, x, args.repeats)
         out = one_run(copy, x, args.repeats, peers)
-        ok = out[2]["value"] <= 0.25 and out[4]["value"] <= 1.0
+        ok = out[2]["value"] <= 0.25 and out[4]["value"] <= 1.0  # eager batch_jacobian, JAX
         met += ok
         out.insert(0, {"run": run + 1, "goals_met": ok, "tape_eager_ms": round(peers["tape"] * 1e3, 1),
                        "tape_fn_ms": round(peers["tape_fn"] * 1e3, 1), "jax_ms": round(peers["jax"] * 1e3, 1)})

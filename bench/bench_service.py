@@ -48,6 +48,15 @@ POLL_S = 0.1
 CALIBRATION_BATCH = 32
 
 
+def _memory_plans():
+    from worker.engine import MemoryPlanCache
+
+    return MemoryPlanCache()
+
+
+PLANS = _memory_plans()  # (a)'s plans, as jacobian compute keeps them in its cache folder
+
+
 # -- (a) the CLI's calls in this process ------------------------------------------------------------
 
 
@@ -56,18 +65,18 @@ def compute_like_cli(model_path: str, input_npz: str, out: str,
     """What ``cmd_compute`` does, minus argument parsing and printing; returns (seconds, manifest)."""
     from contracts import storage
     from contracts.settings import get_settings
-    from worker.engine import build_problem
+    from worker.engine.planning import prepare
     from worker.model_cache import get_model
     from worker.tasks import compute_to_storage, load_inputs
 
     t0 = time.perf_counter()
     inputs = load_inputs(input_npz, field="--input")
     model = get_model(model_path, "serving_default")
-    problem = build_problem(model, inputs, of=None, wrt=None, kind=KIND, mode="auto", reduce=None,
-                            check_independence=False, output_dtype=None)
+    problem, plan = prepare(model, inputs, cache=PLANS, device="CPU:0", kind=KIND)
     manifest = compute_to_storage(problem, results_url=storage.normalize(out), job_id=uuid.uuid4().hex,
                                   memory_budget_bytes=get_settings().memory_budget_bytes, chunk_rows=chunk_rows,
-                                  on_plan=lambda plan: None, on_progress=lambda progress: None,
+                                  on_plan=lambda plan: None, on_progress=lambda progress: None, plan=plan,
+                                  on_learned=PLANS.put,
                                   manifest_fields={"model": {"path": model_path, "signature": "serving_default"}})
     return time.perf_counter() - t0, manifest
 
@@ -123,7 +132,8 @@ class Service:
         self.results = work / "service-results"
         self.results.mkdir()
         redis_port, api_port = free_port(), free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JACOBIAN_") or k == "JACOBIAN_TRY_XLA"}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("JACOBIAN_") or k in ("JACOBIAN_TRY_XLA", "JACOBIAN_CACHE_DIR")}
         env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                    JACOBIAN_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0", JACOBIAN_RESULTS_URL=str(self.results),
                    JACOBIAN_MODEL_ROOTS=str(models_root))

@@ -10,6 +10,9 @@ import time
 from typing import Any, Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Plans a benchmark's processes learn stay in a folder of its own run (tests.procs.base_env passes it on),
+# never in the user's ~/.cache/jacobian: each run starts from no plan unless it says otherwise.
+os.environ.setdefault("JACOBIAN_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="jacobian-bench-plans-"))
 
 
 def median_seconds(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> float:

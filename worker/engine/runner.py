@@ -500,7 +500,7 @@ def _maybe_trial(run: _Run, applicable: list[str], *, rows_left: int, seconds_pe
         compile_inc = plan.record(incumbent).compile_s or 1.0
         cost = tuning.estimated_compile_s(candidate, known=plan.record(candidate).compile_s, incumbent=incumbent,
                                           incumbent_compile_s=compile_inc)
-        cost += (2 + 2 * tuning.TRIAL_PAIRS) * seconds_per_row * k_inc
+        cost += (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * k_inc
         if run.refine != "always" and not tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row,
                                                              past_work_s=plan.work_s):
             return
@@ -514,7 +514,8 @@ def _trial(run: _Run, candidate: str) -> None:
 
     The candidate first runs a quarter of that chunk (compile, memory reading, rows checked against
     the incumbent's), then the largest power-of-two share of it whose proportional peak stays under
-    the incumbent's chunk peak, then ``TRIAL_PAIRS`` interleaved pairs decide (``tuning.candidate_wins``).
+    the job's memory plan, then ``TRIAL_PAIRS`` interleaved pairs decide (``tuning.candidate_wins``),
+    each timed call after an untimed one of the same strategy.
     """
     assert run.last is not None
     start, ref, incumbent, peak_inc = run.last
@@ -531,11 +532,14 @@ def _trial(run: _Run, candidate: str) -> None:
             record.status, record.reason = "disagrees", "disagrees with the incumbent's rows"
             trial["result"] = record.reason
             return
+        # The job's chunk size, unless the candidate's proportional peak would pass the job's memory
+        # plan there (a budget set: the incumbent's own chunk peak, so a trial never peaks above it).
+        cap = max(peak_inc, 1) if run.budget is not None else run.usable
         k_c = k_inc
         if peak_small > 0:
-            while k_c > k_small and peak_small * k_c / k_small > max(peak_inc, 1) and k_c > 1:
+            while k_c > k_small and peak_small * k_c / k_small > cap and k_c > 1:
                 k_c //= 2
-            if peak_small > max(peak_inc, 1) * 1.05 and k_c <= k_small:
+            if peak_small > cap * 1.05 and k_c <= k_small:
                 record.status, record.reason = "too_much_memory", f"{peak_small} bytes at {k_small} rows"
                 trial["result"] = record.reason
                 return
@@ -547,7 +551,12 @@ def _trial(run: _Run, candidate: str) -> None:
                 return
         inc_times, cand_times, peaks = [], [], []
         for _ in range(tuning.TRIAL_PAIRS):
+            # Each side's timed call follows an untimed one of the same side: right after the other
+            # side, the thread pools of the other runtime (TensorFlow's executor, XLA's) still spin
+            # and the first call pays for it (5-10 % on 2 cores), whichever side it is.
+            run.call(incumbent, start, k_inc)
             _, s_inc, _, _ = run.call(incumbent, start, k_inc)
+            run.call(candidate, start, k_c)
             _, s_c, p_c, _ = run.call(candidate, start, k_c)
             inc_times.append(s_inc / k_inc)
             cand_times.append(s_c / k_c)
