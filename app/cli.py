@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlparse
 
 _STARTED = time.perf_counter()
@@ -28,6 +28,9 @@ MODES = ("auto", "reverse", "forward")
 
 # -- compute ---------------------------------------------------------------------------------------
 
+if TYPE_CHECKING:
+    from contracts.records import Progress
+
 
 class _ProgressPrinter:
     """Writes progress lines to stderr at most every ``every_s`` seconds (and the last one)."""
@@ -36,16 +39,16 @@ class _ProgressPrinter:
         self.every_s = every_s
         self.last_s = 0.0
 
-    def __call__(self, progress: dict[str, Any]) -> None:
+    def __call__(self, progress: Progress) -> None:
         now = time.monotonic()
-        done, total = progress["rows_done"], progress["rows_total"]
+        done, total = progress.rows_done, progress.rows_total or 0
         if done < total and now - self.last_s < self.every_s:
             return
         self.last_s = now
-        eta = progress.get("eta_seconds")
+        eta = progress.eta_seconds
         eta_text = f", eta {eta:.1f}s" if isinstance(eta, (int, float)) and done < total else ""
-        print(f"rows {done}/{total} ({100 * progress['fraction']:.1f}%), "
-              f"{progress['rows_per_second']:.1f} rows/s{eta_text}", file=sys.stderr, flush=True)
+        print(f"rows {done}/{total} ({100 * progress.fraction:.1f}%), "
+              f"{progress.rows_per_second or 0.0:.1f} rows/s{eta_text}", file=sys.stderr, flush=True)
 
 
 def cmd_compute(args: argparse.Namespace) -> int:
@@ -58,14 +61,15 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
     from worker.engine.planning import prepare
     from worker.model_cache import get_model
-    from worker.tasks import InvalidInputs, compute_to_storage, effective_budget, load_inputs
+    from worker.inputs import InvalidInputs, effective_budget, load_inputs
+    from worker.pipeline import compute_to_storage
 
     job_id = args.job_id or uuid.uuid4().hex
     model_path = str(Path(args.model).expanduser().resolve())
     settings = get_settings()
     plans = DiskPlanCache(settings.cache_dir)
     try:
-        inputs = load_inputs(args.input, field="--input")
+        inputs = load_inputs(args.input, settings=settings, field="--input")
         model = get_model(model_path, args.signature)
         probe = TFMemoryProbe()
         problem, plan = prepare(model, inputs, cache=plans, device=probe.device, of=args.of, wrt=args.wrt,
@@ -78,6 +82,7 @@ def cmd_compute(args: argparse.Namespace) -> int:
             problem, results_url=storage.normalize(args.out), job_id=job_id,
             memory_budget_bytes=effective_budget(args.memory_budget, settings.memory_budget_bytes),
             chunk_rows=args.chunk_rows, plan=plan, on_learned=plans.put, probe=probe, try_xla=settings.try_xla,
+            block_bytes=settings.block_bytes,
             on_plan=lambda plan: print(f"plan: {plan}", file=sys.stderr, flush=True),
             on_progress=_ProgressPrinter(),
             manifest_fields={"model": {"path": model_path, "signature": args.signature}})

@@ -231,8 +231,8 @@ def _expected_rows(client: Any, job_id: str, rows: slice | None) -> int | None:
     """How many rows ``rows`` selects, from the job's ``rows_total`` (None when unknown)."""
     from app.client import _row_range
 
-    total = (client.status(job_id).get("progress") or {}).get("rows_total")
-    if not isinstance(total, int):
+    total = client.job(job_id).progress.rows_total
+    if total is None:
         return None
     start, stop = _row_range(rows, total)
     return max(0, min(total, total if stop is None else stop) - start)

@@ -9,7 +9,10 @@
         J = client.result(job_id)                           # lazy zarr array straight from storage
 
 Errors of the API raise ``JacobianError`` (``.type``, ``.message``, ``.status_code``); a job that
-ends ``failed`` or ``canceled`` raises ``JobFailed`` from ``wait``. Connection errors are retried
+ends ``failed`` or ``canceled`` raises ``JobFailed`` from ``wait``. Job records are checked against
+``contracts.records.JobPublic`` (an answer that does not fit raises ``JacobianError`` of type
+``InvalidResponse``): ``job()`` returns the typed record, ``status()``/``wait()``/``cancel()``/``list()``
+its JSON as served. Connection errors are retried
 a bounded number of times with exponential backoff (a POST only when it carries an
 ``Idempotency-Key``, which ``submit`` always sends), as are 502/503/504 answers.
 """
@@ -27,6 +30,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from contracts.records import JobAccepted, JobList, JobPublic
 
 __all__ = ["JacobianClient", "JacobianError", "JobFailed", "JobCanceled", "DEFAULT_API_URL", "TERMINAL"]
 
@@ -171,11 +177,15 @@ class JacobianClient:
         key = idempotency_key or f"client-{uuid.uuid4().hex}"
         response = self._request("POST", "/v1/jobs", params=params, content=npz, safe_to_retry=True,
                                  headers={"Content-Type": NPZ_MEDIA_TYPE, "Idempotency-Key": key})
-        return str(response.json()["id"])
+        return str(_checked_json(response, JobAccepted)["id"])
+
+    def job(self, job_id: str) -> JobPublic:
+        """``GET /v1/jobs/{id}`` as a typed record: status, progress, plan, result, error, timestamps."""
+        return JobPublic.model_validate(self.status(job_id))
 
     def status(self, job_id: str) -> dict[str, Any]:
-        """``GET /v1/jobs/{id}``: status, progress, plan, result, error, timestamps."""
-        return dict(self._request("GET", f"/v1/jobs/{job_id}").json())
+        """``GET /v1/jobs/{id}`` as served (JSON), checked against ``JobPublic``."""
+        return _checked_json(self._request("GET", f"/v1/jobs/{job_id}"), JobPublic)
 
     def wait(self, job_id: str, *, on_progress: ProgressCallback | None = None, timeout_s: float | None = None,
              poll_s: float = 0.5) -> dict[str, Any]:
@@ -200,7 +210,7 @@ class JacobianClient:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Request cancellation; returns the record (``canceled`` at once if it was still queued)."""
-        return dict(self._request("POST", f"/v1/jobs/{job_id}/cancel", safe_to_retry=True).json())
+        return _checked_json(self._request("POST", f"/v1/jobs/{job_id}/cancel", safe_to_retry=True), JobPublic)
 
     def list(self, status: str | None = None, limit: int = 50) -> builtins.list[dict[str, Any]]:
         """Jobs newest first (at most ``limit``, following pages as needed), optionally of one status."""
@@ -212,7 +222,7 @@ class JacobianClient:
                 params["status"] = status
             if token:
                 params["page_token"] = token
-            page = self._request("GET", "/v1/jobs", params=params).json()
+            page = _checked_json(self._request("GET", "/v1/jobs", params=params), JobList)
             jobs.extend(page["jobs"])
             token = page.get("next_page_token")
             if not token or not page["jobs"]:
@@ -232,8 +242,7 @@ class JacobianClient:
     def iter_rows(self, job_id: str, rows: slice | tuple[int, int] | None = None, *,
                   page_bytes: int = PAGE_BYTES) -> Iterator[np.ndarray]:
         """Rows ``rows`` (default all) in pages of at most ``page_bytes``, each ``(n,) + row_shape``."""
-        record = self.status(job_id)
-        rows_total, row_bytes = _row_geometry(record)
+        rows_total, row_bytes = _row_geometry(self.job(job_id))
         start, stop = _row_range(rows, rows_total)
         if stop is None:
             stop = rows_total
@@ -253,25 +262,35 @@ class JacobianClient:
 
     def open_result(self, job_id: str) -> Any:
         """The job's result as a lazy ``zarr.Array`` (nothing read until indexed)."""
-        record = self.status(job_id)
-        if record.get("status") != "succeeded":
-            raise JacobianError("JobNotFinished", f"id: job {job_id!r} is {record.get('status')}; its result "
+        record = self.job(job_id)
+        if record.status.value != "succeeded":
+            raise JacobianError("JobNotFinished", f"id: job {job_id!r} is {record.status.value}; its result "
                                 "can be read once its status is 'succeeded'", status_code=409)
-        uri = (record.get("result") or {}).get("uri")
-        if not uri:
+        if record.result is None:
             raise JacobianError("JobNotFinished", f"id: job {job_id!r} has no result uri", status_code=409)
-        return open_zarr(uri)
+        return open_zarr(record.result.uri)
 
 
-def _row_geometry(record: dict[str, Any]) -> tuple[int | None, int | None]:
-    """``(rows_total, bytes per row)`` from a status record, ``None`` where it does not say."""
-    rows_total = (record.get("progress") or {}).get("rows_total")
-    result = record.get("result") or {}
-    shape, dtype = result.get("shape"), result.get("dtype")
-    if not isinstance(rows_total, int) or rows_total <= 0 or shape is None or dtype is None:
-        return (rows_total if isinstance(rows_total, int) else None), None
+def _checked_json(response: httpx.Response, model: type[BaseModel]) -> dict[str, Any]:
+    """The answer's JSON object, checked against ``model``; ``JacobianError("InvalidResponse")`` when it
+    does not fit (an API of another version, or something else at that address)."""
     try:
-        total_bytes = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+        body = response.json()
+        model.model_validate(body)
+    except (ValueError, ValidationError) as exc:  # JSONDecodeError is a ValueError
+        raise JacobianError("InvalidResponse", f"{response.request.method} {response.request.url.path}: the "
+                            f"answer is not a {model.__name__} ({exc}); is JACOBIAN_API_URL a Jacobian API of "
+                            "this version?", status_code=response.status_code) from None
+    return dict(body)
+
+
+def _row_geometry(record: JobPublic) -> tuple[int | None, int | None]:
+    """``(rows_total, bytes per row)`` from a job record, ``None`` where it does not say."""
+    rows_total = record.progress.rows_total
+    if rows_total is None or rows_total <= 0 or record.result is None:
+        return rows_total, None
+    try:
+        total_bytes = math.prod(record.result.shape) * np.dtype(record.result.dtype).itemsize
     except TypeError:
         return rows_total, None
     return rows_total, max(1, total_bytes // rows_total)

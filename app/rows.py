@@ -15,13 +15,9 @@ from contracts.layout import Block, ResultLayout
 
 
 def layout_of(array: Any) -> ResultLayout:
-    """The ``ResultLayout`` from the array attributes ``shape``, ``iter_start``, ``iter_stop``
-    (written by the worker); without them rows are taken along axis 0."""
-    attrs = dict(array.attrs)
-    shape = tuple(int(d) for d in attrs.get("shape", array.shape))
-    default_stop = 1 if shape else 0
-    return ResultLayout(shape=shape, iter_start=int(attrs.get("iter_start", 0)),
-                        iter_stop=int(attrs.get("iter_stop", default_stop)), itemsize=array.dtype.itemsize)
+    """The ``ResultLayout`` stored with the result array (``ResultLayout.of_array``: its attributes and
+    chunk shape), so that reading rows ``a:b`` reads only the storage chunks that hold them."""
+    return ResultLayout.of_array(array)
 
 
 def parse_rows(rows: str | None, rows_total: int) -> tuple[int, int]:

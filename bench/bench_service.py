@@ -67,10 +67,11 @@ def compute_like_cli(model_path: str, input_npz: str, out: str,
     from contracts.settings import get_settings
     from worker.engine.planning import prepare
     from worker.model_cache import get_model
-    from worker.tasks import compute_to_storage, load_inputs
+    from worker.inputs import load_inputs
+    from worker.pipeline import compute_to_storage
 
     t0 = time.perf_counter()
-    inputs = load_inputs(input_npz, field="--input")
+    inputs = load_inputs(input_npz, settings=get_settings(), field="--input")
     model = get_model(model_path, "serving_default")
     problem, plan = prepare(model, inputs, cache=PLANS, device="CPU:0", kind=KIND)
     manifest = compute_to_storage(problem, results_url=storage.normalize(out), job_id=uuid.uuid4().hex,

@@ -141,7 +141,7 @@ class Stack:
         from rq import Queue
         from rq.serializers import JSONSerializer
 
-        from worker.tasks import live_workers
+        from worker.sharding import live_workers
 
         for i in range(n):
             log = open(self.tmp / f"worker-{len(self.workers)}.log", "wb")

@@ -43,6 +43,24 @@ class JobStatus(str, Enum):
     def is_terminal(self) -> bool:
         return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.canceled)
 
+    def can_move_to(self, to: JobStatus) -> bool:
+        """Whether a job in this status may move to ``to`` (see ``ALLOWED_MOVES``)."""
+        return to in ALLOWED_MOVES[self]
+
+
+ALLOWED_MOVES: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.queued: frozenset({JobStatus.running, JobStatus.canceled, JobStatus.failed}),
+    # queued again: a transient error (or a dead worker) with an rq retry left
+    JobStatus.running: frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.canceled, JobStatus.queued}),
+    JobStatus.succeeded: frozenset(),
+    JobStatus.failed: frozenset(),
+    JobStatus.canceled: frozenset(),
+}
+"""The moves of ``JobStore.transition``: nothing leaves a terminal status, and staying is not a move."""
+
+RUN_JOB_TASK = "worker.tasks.run_job"  # the rq entry points, enqueued by dotted path (no TensorFlow in the API)
+FINALIZE_JOB_TASK = "worker.tasks.finalize_job"
+
 
 class ModelRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -139,11 +157,6 @@ class QueuedJob(JobOptions):
                               "None for the job itself (which plans the shards) and its finalizer")
     strategy: str | None = Field(None, description="chunk strategy every shard uses (e.g. 'tiled+xla'), pinned by "
                                  "the job's planner so that all rows are computed alike; None: a timed trial picks")
-
-    @property
-    def rq_id(self) -> str:
-        """The rq job id: the job id, or ``{id}-s{shard}`` for a shard."""
-        return self.id if self.shard is None else shard_job_id(self.id, self.shard)
 
 
 def is_job_id(text: str) -> bool:

@@ -10,37 +10,56 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from redis import Redis
 
-from contracts.jobspec import JobStatus
+from contracts.jobspec import ALLOWED_MOVES, JobStatus
+from contracts.records import JobPublic, PlanInfo, Progress, dump
 
 
 class JobNotFound(KeyError):
     """No job with this id."""
 
 
+class CorruptRecord(RuntimeError):
+    """A stored job record that does not read as ``JobPublic`` (a bug of whoever wrote it)."""
+
+
+def _not_started() -> dict[str, Any]:
+    return Progress().model_dump()
+
+
 @dataclass
 class JobRecord:
+    """A job as stored; ``progress``, ``plan``, ``result`` and ``error`` as the JSON of their records."""
+
     id: str
     status: JobStatus
     spec: dict[str, Any]
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None
-    progress: dict[str, Any] = field(default_factory=dict)
+    progress: dict[str, Any] = field(default_factory=_not_started)
     plan: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     cancel_requested: bool = False
 
+    def public(self) -> JobPublic:
+        """The ``GET /v1/jobs/{id}`` body; raises ``CorruptRecord`` when the stored fields do not fit it."""
+        try:
+            return JobPublic.model_validate({
+                "id": self.id, "status": self.status, "progress": self.progress, "plan": self.plan,
+                "result": self.result, "error": self.error, "created_at": _iso(self.created_at),
+                "started_at": _iso(self.started_at), "finished_at": _iso(self.finished_at),
+                "kind": self.spec.get("kind"), "model": self.spec.get("model"),
+            })
+        except ValidationError as err:
+            raise CorruptRecord(f"job {self.id}: the stored record is not a JobPublic: {err}") from err
+
     def to_public(self) -> dict[str, Any]:
-        """The ``GET /v1/jobs/{id}`` body."""
-        return {
-            "id": self.id, "status": self.status.value, "progress": self.progress, "plan": self.plan,
-            "result": self.result, "error": self.error, "created_at": _iso(self.created_at),
-            "started_at": _iso(self.started_at), "finished_at": _iso(self.finished_at),
-            "kind": self.spec.get("kind"), "model": self.spec.get("model"),
-        }
+        """``public()`` as the JSON the API serves."""
+        return dump(self.public())
 
 
 def _iso(ts: float | None) -> str | None:
@@ -50,7 +69,33 @@ def _iso(ts: float | None) -> str | None:
 
 
 _JSON_FIELDS = ("spec", "progress", "plan", "result", "error")
-_FLOAT_FIELDS = ("created_at", "started_at", "finished_at")
+_TRANSITION_FIELDS = frozenset({"started_at", "finished_at", "progress", "plan", "result", "error"})
+
+# KEYS: the job hash, its shards hash. ARGV: the new status, TTL seconds (0: none), n, the n statuses it
+# may move from, then field, value pairs. Returns -1 (no record), 0 (move not allowed: nothing written), 1.
+_TRANSITION_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local current = redis.call('HGET', KEYS[1], 'status') or 'queued'
+local n = tonumber(ARGV[3])
+local allowed = false
+for i = 4, 3 + n do
+  if ARGV[i] == current then allowed = true end
+end
+if not allowed then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(ARGV, 4 + n))
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+return 1
+"""
+# KEYS: the job hash. ARGV: field, value pairs. Returns 0 (no record: nothing written) or 1.
+_SET_FIELDS_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
 
 
 def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -58,6 +103,7 @@ def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]
 
     ``plan`` is the stored shard plan (``rows_total``, ``ranges``); ``shards`` maps a shard index to
     its last progress snapshot (shards not started yet are absent and count as zero rows done).
+    Returns ``Progress.of(...)`` as a dict (the stored form).
     """
     ranges = plan.get("ranges") or []
     rows_total = int(plan.get("rows_total") or sum(b - a for a, b in ranges))
@@ -68,12 +114,7 @@ def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]
         done += shard_done
         if shard_done < int(snap.get("rows_total") or 0):
             rate += float(snap.get("rows_per_second") or 0.0)
-    done = min(done, rows_total)
-    left = rows_total - done
-    return {"rows_done": done, "rows_total": rows_total,
-            "fraction": 1.0 if rows_total == 0 else round(done / rows_total, 6),
-            "rows_per_second": round(rate, 3),
-            "eta_seconds": 0.0 if left == 0 else (round(left / rate, 3) if rate > 0 else None)}
+    return Progress.of(min(done, rows_total), rows_total, rate).model_dump()
 
 
 class JobStore:
@@ -93,11 +134,14 @@ class JobStore:
     def __init__(self, connection: Redis, *, ttl_s: int | None = None) -> None:
         self.connection = connection
         self.ttl_s = ttl_s
+        self._transition = connection.register_script(_TRANSITION_LUA)
+        self._set_fields = connection.register_script(_SET_FIELDS_LUA)
 
     def key(self, job_id: str) -> str:
         return self.job_key_template.format(id=job_id)
 
     def create(self, record: JobRecord) -> None:
+        """Store a new record and index it by creation time (no TTL: the job has not ended)."""
         mapping = self._encode(record)
         with self.connection.pipeline() as pipe:
             pipe.hset(self.key(record.id), mapping=mapping)
@@ -119,25 +163,57 @@ class JobStore:
     def exists(self, job_id: str) -> bool:
         return bool(self.connection.exists(self.key(job_id)))
 
-    def update(self, job_id: str, **fields: Any) -> None:
-        """Set some fields (JSON-encoded where structured); status given as ``JobStatus``."""
-        mapping: dict[str, str] = {}
-        for name, value in fields.items():
-            if name in _JSON_FIELDS:
-                mapping[name] = json.dumps(value)
-            elif name == "status":
-                mapping[name] = JobStatus(value).value
-            elif name == "cancel_requested":
-                mapping[name] = "1" if value else "0"
-            elif value is None:
-                mapping[name] = ""
-            else:
-                mapping[name] = str(value)
-        if mapping:
-            self.connection.hset(self.key(job_id), mapping=mapping)
-        if self.ttl_s and fields.get("status") and JobStatus(fields["status"]).is_terminal:
-            self.connection.expire(self.key(job_id), self.ttl_s)
-            self.connection.expire(self.shards_key(job_id), self.ttl_s)
+    def transition(self, job_id: str, to: JobStatus, **fields: Any) -> bool:
+        """Move the job to status ``to`` if ``ALLOWED_MOVES`` allows it from its current status, writing
+        ``fields`` and, for a terminal ``to``, the TTL of the record and its shards hash, all in one
+        atomic step (a Lua script). Returns False, writing nothing, when the move is not allowed (e.g. a
+        shard failing a job that was canceled meanwhile, or ``running`` to ``running``).
+
+        ``fields``: ``started_at``, ``finished_at`` (seconds since the epoch), ``progress``, ``plan``,
+        ``result``, ``error`` (records of ``contracts.records`` or their dicts). ``started_at``
+        defaults to now on a move to ``running``, ``finished_at`` to now on a move to a terminal status.
+        Raises ``JobNotFound`` (no record), ``TypeError`` (another field), ``redis.RedisError``.
+        """
+        to = JobStatus(to)
+        unknown = set(fields) - _TRANSITION_FIELDS
+        if unknown:
+            raise TypeError(f"transition: {', '.join(sorted(unknown))} cannot be set with a status; "
+                            f"use one of {', '.join(sorted(_TRANSITION_FIELDS))} (or set_fields)")
+        if to == JobStatus.running:
+            fields.setdefault("started_at", time.time())
+        if to.is_terminal:
+            fields.setdefault("finished_at", time.time())
+        sources = [s.value for s, moves in ALLOWED_MOVES.items() if to in moves]
+        pairs = [item for pair in _encode_fields(fields).items() for item in pair]
+        ttl_s = self.ttl_s if to.is_terminal and self.ttl_s else 0
+        moved = self._transition(keys=[self.key(job_id), self.shards_key(job_id)],
+                                 args=[to.value, ttl_s, len(sources), *sources, *pairs])
+        if moved == -1:
+            raise JobNotFound(job_id)
+        return moved == 1
+
+    def set_fields(self, job_id: str, *, progress: Progress | dict[str, Any] | None = None,
+                   plan: PlanInfo | dict[str, Any] | None = None, cancel_requested: bool | None = None) -> bool:
+        """Set the fields given (None: leave as is) of an existing record, never its status (see
+        ``transition``). Returns False, writing nothing, when there is no record (e.g. it expired), so
+        that a late progress report cannot leave a record without TTL behind. Raises ``redis.RedisError``.
+        """
+        given = {"progress": progress, "plan": plan, "cancel_requested": cancel_requested}
+        mapping = _encode_fields({name: value for name, value in given.items() if value is not None})
+        if not mapping:
+            return self.exists(job_id)
+        pairs = [item for pair in mapping.items() for item in pair]
+        return self._set_fields(keys=[self.key(job_id)], args=pairs) == 1
+
+    def delete(self, job_id: str) -> bool:
+        """Remove the job's record, its index entry and its shards hash (one transaction); True when a
+        record was there. The job's files in storage are the caller's. Raises ``redis.RedisError``."""
+        with self.connection.pipeline() as pipe:
+            pipe.delete(self.key(job_id))
+            pipe.zrem(self.index_key, job_id)
+            pipe.delete(self.shards_key(job_id))
+            deleted, _, _ = pipe.execute()
+        return bool(deleted)
 
     def is_cancel_requested(self, job_id: str) -> bool:
         return self.connection.hget(self.key(job_id), "cancel_requested") == b"1"
@@ -172,14 +248,20 @@ class JobStore:
                 pipe.hincrby(key, f"c{index}", computed_rows)
             pipe.execute()
 
+    def set_shard_run_plan(self, job_id: str, index: int, plan: PlanInfo | dict[str, Any]) -> None:
+        """Shard ``index``'s own run plan (chunk rows, memory): kept beside the job's plan, never over it."""
+        self.connection.hset(self.shards_key(job_id), f"q{index}", json.dumps(dump(plan)))
+
     def shard_progress(self, job_id: str) -> dict[int, dict[str, Any]]:
-        """Per shard: its last progress snapshot plus ``rows_computed`` (over all its attempts)."""
+        """Per shard: its last progress snapshot plus ``rows_computed`` (over all its attempts) and
+        ``plan`` (its run plan, None before it planned)."""
         raw = {k.decode(): v for k, v in self.connection.hgetall(self.shards_key(job_id)).items()}
         plan = json.loads(raw["plan"]) if "plan" in raw else {}
         out: dict[int, dict[str, Any]] = {}
         for i in range(int(plan.get("shards") or 0)):
             snap = json.loads(raw[f"p{i}"]) if f"p{i}" in raw else {}
-            out[i] = {**snap, "rows_computed": int(raw.get(f"c{i}", b"0"))}
+            out[i] = {**snap, "rows_computed": int(raw.get(f"c{i}", b"0")),
+                      "plan": json.loads(raw[f"q{i}"]) if f"q{i}" in raw else None}
         return out
 
     def _with_shards(self, record: JobRecord, raw_shards: dict[bytes, bytes]) -> JobRecord:
@@ -253,10 +335,10 @@ class JobStore:
             "created_at": repr(record.created_at),
             "started_at": "" if record.started_at is None else repr(record.started_at),
             "finished_at": "" if record.finished_at is None else repr(record.finished_at),
-            "progress": json.dumps(record.progress),
-            "plan": json.dumps(record.plan),
-            "result": json.dumps(record.result),
-            "error": json.dumps(record.error),
+            "progress": json.dumps(dump(record.progress)),
+            "plan": json.dumps(dump(record.plan)),
+            "result": json.dumps(dump(record.result)),
+            "error": json.dumps(dump(record.error)),
             "cancel_requested": "1" if record.cancel_requested else "0",
         }
 
@@ -276,3 +358,21 @@ class JobStore:
             progress=j("progress", {}), plan=j("plan", {}), result=j("result", None), error=j("error", None),
             cancel_requested=d.get("cancel_requested") == "1",
         )
+
+
+def _encode_fields(fields: dict[str, Any]) -> dict[str, str]:
+    """Hash values of record fields: JSON for the structured ones (records dumped with the keys they were
+    given), ``"1"``/``"0"`` for ``cancel_requested``, ``repr`` for times, ``""`` for None."""
+    mapping: dict[str, str] = {}
+    for name, value in fields.items():
+        if name in _JSON_FIELDS:
+            mapping[name] = json.dumps(dump(value))
+        elif name == "status":
+            mapping[name] = JobStatus(value).value
+        elif name == "cancel_requested":
+            mapping[name] = "1" if value else "0"
+        elif value is None:
+            mapping[name] = ""
+        else:
+            mapping[name] = str(value)
+    return mapping

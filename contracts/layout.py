@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,16 +33,37 @@ class Block:
     selection: tuple[slice, ...]
     shape: tuple[int, ...]  # the block's extent along the iterated axes
 
+    @property
+    def rows(self) -> int:
+        """Rows in the block: ``row_stop - row_start``."""
+        return self.row_stop - self.row_start
+
 
 @dataclass(frozen=True)
 class ResultLayout:
-    """Array ``shape``; rows run over ``shape[iter_start:iter_stop]`` in C order."""
+    """Array ``shape``; rows run over ``shape[iter_start:iter_stop]`` in C order.
+
+    A writer sizes the Zarr chunks from ``block_bytes``; a reader passes ``chunk_shape``, the chunk
+    shape stored with the array (``zarr.Array.chunks``), so that its blocks are the stored chunks.
+    """
 
     shape: tuple[int, ...]
     iter_start: int
     iter_stop: int
     itemsize: int = 4
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    chunk_shape: tuple[int, ...] | None = None  # the stored chunks; None: derived from block_bytes
+
+    @classmethod
+    def of_array(cls, array: Any) -> ResultLayout:
+        """The layout stored with a zarr array: its attributes ``shape``, ``iter_start``, ``iter_stop``,
+        ``block_bytes`` (the worker writes them; without them rows run along axis 0) and its chunk shape."""
+        attrs = dict(array.attrs)
+        shape = tuple(int(d) for d in attrs.get("shape", array.shape))
+        chunk_shape = tuple(int(c) for c in array.chunks) if tuple(array.shape) == shape else None
+        return cls(shape=shape, iter_start=int(attrs.get("iter_start", 0)),
+                   iter_stop=int(attrs.get("iter_stop", 1 if shape else 0)), itemsize=int(array.dtype.itemsize),
+                   block_bytes=int(attrs.get("block_bytes", DEFAULT_BLOCK_BYTES)), chunk_shape=chunk_shape)
 
     @property
     def iter_shape(self) -> tuple[int, ...]:
@@ -62,7 +84,10 @@ class ResultLayout:
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        """Zarr chunk shape: whole rows, about ``block_bytes`` per chunk, at least one row."""
+        """Zarr chunk shape: ``chunk_shape`` when given, else whole rows, about ``block_bytes`` per chunk
+        (at least one row): full along the trailing iterated axes, part of one, 1 along those before."""
+        if self.chunk_shape is not None:
+            return tuple(self.chunk_shape)
         target_rows = max(1, self.block_bytes // max(1, self.row_bytes))
         it = list(self.iter_shape)
         chunk_it = [1] * len(it)
@@ -77,12 +102,28 @@ class ResultLayout:
         full = [max(1, d) for d in self.shape]
         return tuple(full[:self.iter_start] + chunk_it + full[self.iter_stop:])
 
+    def _block_iter_shape(self) -> tuple[int, ...]:
+        """A block's extent along the iterated axes: the chunks' own when ``chunks`` derives from
+        ``block_bytes``; for a stored ``chunk_shape``, the largest run of consecutive rows inside one
+        chunk (its extent on the last iterated axis it splits, 1 before that, full after)."""
+        cit = self.chunks[self.iter_start:self.iter_stop]
+        if self.chunk_shape is None:
+            return cit
+        out = list(self.iter_shape)
+        for axis in range(len(out) - 1, -1, -1):
+            if cit[axis] < out[axis]:
+                out[axis] = max(1, cit[axis])
+                out[:axis] = [1] * axis
+                break
+        return tuple(out)
+
     def blocks(self) -> list[Block]:
-        """Storage blocks in row order; each is one Zarr chunk and a contiguous row range."""
+        """Storage blocks in row order; each is a contiguous row range inside one Zarr chunk along the
+        iterated axes (the whole chunk for the writer's chunks, which are row-contiguous)."""
         it = self.iter_shape
         if not it:
             return [Block(0, 0, 1, tuple(slice(0, d) for d in self.shape), ())]
-        cit = self.chunks[self.iter_start:self.iter_stop]
+        cit = self._block_iter_shape()
         grid = [range(0, d, c) for d, c in zip(it, cit)]
         out: list[Block] = []
         for corner in np.ndindex(*[len(g) for g in grid]):

@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     worker_metrics_port: int | None = None
     gpu: str | None = Field(None, description="GPU index this worker pins (sets CUDA_VISIBLE_DEVICES)")
     block_bytes: int | None = Field(None, description="target bytes per Zarr storage chunk (default 32 MiB)")
+    shard_min_seconds: float = Field(10.0, ge=0, description="least estimated compute per shard when a job is "
+                                     "split automatically")
     model_cache_size: int = 4
     try_xla: bool = Field(True, description="let strategy trials try XLA variants")
     cache_dir: str | None = Field(None, description="folder for plans (default ~/.cache/jacobian); workers "

@@ -1,5 +1,8 @@
 """URL-addressed storage for API, worker and CLI: local paths, ``file://`` and ``s3://bucket/prefix``.
 
+One ``Storage`` protocol, two implementations (``LocalStorage`` for paths and ``file://``, ``S3Storage``
+for ``s3://`` through s3fs), chosen per URL by ``storage_for``. The module-level functions
+(``write_bytes``, ``read_bytes``, ``list_names``, ...) are thin wrappers over ``storage_for(url)``.
 S3 credentials and endpoint come from the standard ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_REGION`` and ``AWS_ENDPOINT_URL`` variables (the endpoint is passed to
 s3fs explicitly). Filesystem objects are created on first use and cached per set of credentials;
@@ -14,7 +17,7 @@ import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import zarr
@@ -36,17 +39,8 @@ def join(url: str, *parts: str) -> str:
     return out
 
 
-def normalize(url: str) -> str:
-    """Local paths made absolute (``file://`` dropped); ``s3://`` URLs returned unchanged."""
-    if is_remote(url):
-        return url.rstrip("/")
-    return str(_local_path(url))
-
-
 def _local_path(url: str) -> Path:
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    return Path(url).expanduser().resolve()
+    return Path(url.removeprefix("file://")).expanduser().resolve()
 
 
 def _s3_path(url: str) -> str:
@@ -99,92 +93,199 @@ def _s3_async_fs(options: tuple[tuple[str, Any], ...]) -> Any:
     return s3fs.S3FileSystem(asynchronous=True, **_expand(options))
 
 
+@runtime_checkable
+class Storage(Protocol):
+    """Objects under the URLs of one kind of storage. Every method may raise ``OSError``."""
+
+    def normalize(self, url: str) -> str:
+        """``url`` in canonical form: an absolute local path, or the ``s3://`` URL without trailing ``/``."""
+        ...
+
+    def write_bytes(self, url: str, data: bytes) -> None:
+        """Write ``data`` to ``url``, replacing what is there."""
+        ...
+
+    def read_bytes(self, url: str) -> bytes:
+        """The whole object at ``url``; raises ``FileNotFoundError`` when absent."""
+        ...
+
+    def open_file(self, url: str) -> BinaryIO:
+        """``url`` opened for seekable binary reading; ``FileNotFoundError`` / ``IsADirectoryError``."""
+        ...
+
+    def exists(self, url: str) -> bool:
+        """True when ``url`` is an object/file or a non-empty prefix/directory."""
+        ...
+
+    def delete_prefix(self, url: str) -> None:
+        """Remove ``url`` and everything under it; nothing there is not an error."""
+        ...
+
+    def list_names(self, url: str) -> list[str]:
+        """Sorted names directly under ``url``; ``[]`` when nothing is there."""
+        ...
+
+    def zarr_store(self, url: str, *, read_only: bool) -> Store:
+        """A zarr v3 store rooted at ``url``."""
+        ...
+
+
+class LocalStorage:
+    """Local paths and ``file://`` URLs; writes are atomic (a temporary file renamed into place)."""
+
+    def normalize(self, url: str) -> str:
+        return str(_local_path(url))
+
+    def write_bytes(self, url: str, data: bytes) -> None:
+        path = _local_path(url)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def read_bytes(self, url: str) -> bytes:
+        return _local_path(url).read_bytes()
+
+    def open_file(self, url: str) -> BinaryIO:
+        return open(_local_path(url), "rb")
+
+    def exists(self, url: str) -> bool:
+        return _local_path(url).exists()
+
+    def delete_prefix(self, url: str) -> None:
+        path = _local_path(url)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=False)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+    def list_names(self, url: str) -> list[str]:
+        """Names under the folder, without the temporary files of writes in progress."""
+        path = _local_path(url)
+        if not path.is_dir():
+            return []
+        return sorted(p.name for p in path.iterdir() if not (p.name.startswith(".") and p.name.endswith(".tmp")))
+
+    def zarr_store(self, url: str, *, read_only: bool) -> Store:
+        """A ``LocalStore``; its folder is created unless ``read_only``."""
+        from zarr.storage import LocalStore
+
+        path = _local_path(url)
+        if not read_only:
+            path.mkdir(parents=True, exist_ok=True)
+        return LocalStore(path, read_only=read_only)
+
+
+class S3Storage:
+    """``s3://bucket/key`` URLs through s3fs, with ``options`` as made by ``_s3_options()`` (hashable);
+    the filesystems are shared by every instance with the same options."""
+
+    def __init__(self, options: tuple[tuple[str, Any], ...]) -> None:
+        self.options = options
+
+    @property
+    def fs(self) -> Any:
+        """The synchronous s3fs filesystem (created on first use, cached per options)."""
+        return _s3_fs(self.options)
+
+    def normalize(self, url: str) -> str:
+        return url.rstrip("/")
+
+    def write_bytes(self, url: str, data: bytes) -> None:
+        self.fs.pipe_file(_s3_path(url), data)
+
+    def read_bytes(self, url: str) -> bytes:
+        return bytes(self.fs.cat_file(_s3_path(url)))
+
+    def open_file(self, url: str) -> BinaryIO:
+        """Ranges are read on demand."""
+        fs, path = self.fs, _s3_path(url)
+        if not fs.isfile(path):
+            raise IsADirectoryError(url) if fs.isdir(path) else FileNotFoundError(url)
+        return fs.open(path, "rb")  # type: ignore[no-any-return]
+
+    def exists(self, url: str) -> bool:
+        return bool(self.fs.exists(_s3_path(url)))
+
+    def delete_prefix(self, url: str) -> None:
+        try:
+            self.fs.rm(_s3_path(url), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def list_names(self, url: str) -> list[str]:
+        """Object names and sub-prefixes, from one listing request."""
+        prefix = _s3_path(url)
+        try:
+            entries = self.fs.ls(prefix, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix})
+
+    def zarr_store(self, url: str, *, read_only: bool) -> Store:
+        """An ``FsspecStore`` on the asynchronous s3fs filesystem (zarr's event loop)."""
+        from zarr.storage import FsspecStore
+
+        return FsspecStore(_s3_async_fs(self.options), path=_s3_path(url), read_only=read_only)
+
+
+_LOCAL = LocalStorage()
+
+
+def storage_for(url: str) -> Storage:
+    """The storage behind ``url``: ``S3Storage`` for ``s3://`` and ``s3a://`` (options from the ``AWS_*``
+    variables as they are now), ``LocalStorage`` for anything else."""
+    if is_remote(url):
+        return S3Storage(_s3_options())
+    return _LOCAL
+
+
+# -- the module-level API: one call per operation, the storage chosen from the URL ---------------------
+
+def normalize(url: str) -> str:
+    """Local paths made absolute (``file://`` dropped); ``s3://`` URLs returned unchanged."""
+    return storage_for(url).normalize(url)
+
+
 def write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` to ``url``, replacing what is there; local writes are atomic (rename)."""
-    if is_remote(url):
-        _s3_fs(_s3_options()).pipe_file(_s3_path(url), data)
-        return
-    path = _local_path(url)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    storage_for(url).write_bytes(url, data)
 
 
 def read_bytes(url: str) -> bytes:
     """The whole object at ``url``; raises ``FileNotFoundError`` when absent."""
-    if is_remote(url):
-        return bytes(_s3_fs(_s3_options()).cat_file(_s3_path(url)))
-    return _local_path(url).read_bytes()
+    return storage_for(url).read_bytes(url)
 
 
 def open_file(url: str) -> BinaryIO:
     """``url`` opened for binary reading, seekable (S3 reads ranges on demand); raises
     ``FileNotFoundError`` when absent, ``IsADirectoryError`` for a local folder."""
-    if is_remote(url):
-        fs = _s3_fs(_s3_options())
-        path = _s3_path(url)
-        if not fs.isfile(path):
-            raise IsADirectoryError(url) if fs.isdir(path) else FileNotFoundError(url)
-        return fs.open(path, "rb")  # type: ignore[no-any-return]
-    return open(_local_path(url), "rb")
+    return storage_for(url).open_file(url)
 
 
 def exists(url: str) -> bool:
     """True when ``url`` is an object/file or a non-empty prefix/directory."""
-    if is_remote(url):
-        return bool(_s3_fs(_s3_options()).exists(_s3_path(url)))
-    return _local_path(url).exists()
+    return storage_for(url).exists(url)
 
 
 def delete_prefix(url: str) -> None:
     """Remove ``url`` and everything under it; nothing there is not an error."""
-    if is_remote(url):
-        fs = _s3_fs(_s3_options())
-        try:
-            fs.rm(_s3_path(url), recursive=True)
-        except FileNotFoundError:
-            pass
-        return
-    path = _local_path(url)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=False)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+    storage_for(url).delete_prefix(url)
 
 
 def list_names(url: str) -> list[str]:
     """Sorted names directly under ``url`` (files and sub-prefixes); ``[]`` when nothing is there."""
-    if is_remote(url):
-        fs = _s3_fs(_s3_options())
-        try:
-            entries = fs.ls(_s3_path(url), detail=False)
-        except FileNotFoundError:
-            return []
-        prefix = _s3_path(url)
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix})
-    path = _local_path(url)
-    if not path.is_dir():
-        return []
-    return sorted(p.name for p in path.iterdir() if not (p.name.startswith(".") and p.name.endswith(".tmp")))
+    return storage_for(url).list_names(url)
 
 
 def zarr_store(url: str, *, read_only: bool) -> Store:
     """A zarr v3 store rooted at ``url``: ``LocalStore`` for paths, ``FsspecStore`` for ``s3://``."""
-    from zarr.storage import FsspecStore, LocalStore
-
-    if is_remote(url):
-        fs = _s3_async_fs(_s3_options())
-        return FsspecStore(fs, path=_s3_path(url), read_only=read_only)
-    path = _local_path(url)
-    if not read_only:
-        path.mkdir(parents=True, exist_ok=True)
-    return LocalStore(path, read_only=read_only)
+    return storage_for(url).zarr_store(url, read_only=read_only)
 
 
 def open_array(url: str, mode: str = "r") -> zarr.Array:

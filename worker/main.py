@@ -13,7 +13,10 @@ from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
 
+from contracts.jobspec import FINALIZE_JOB_TASK, RUN_JOB_TASK, JobStatus
+from contracts.jobstore import JobStore
 from contracts.logs import configure_logging, job_context, start_thread_in_context
+from contracts.records import ErrorInfo
 from contracts.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -89,7 +92,8 @@ class JacobianWorker(SimpleWorker):
         return moved
 
     def _on_abandoned(self, job: Any, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
-        """Exception handler: a job whose worker died with no retries left is marked failed in its record."""
+        """Exception handler of rq's maintenance: a job whose worker died (``AbandonedJobError``) gets its
+        record moved with ``record_abandoned``; other exceptions go on to the next handler."""
         from rq.exceptions import AbandonedJobError
 
         if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
@@ -98,24 +102,12 @@ class JacobianWorker(SimpleWorker):
         getattr(self, "_abandoned_ids", set()).add(job.id)
         log.warning("worker %s: job %s was abandoned (its worker died); %s", self.name, job.id,
                     "rq retries it" if retries_left else "no retries left")
-        if retries_left or job.func_name != "worker.tasks.run_job":
-            return True
         spec = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
-        if spec.get("shard") is not None or not spec.get("id"):
-            return True  # a shard: the finalizer fails the job, naming the shard
         try:
-            import time
-
-            from contracts.jobspec import JobStatus
-            from contracts.jobstore import JobStore
-
             store = JobStore(self.connection, ttl_s=get_settings().result_ttl_s)
-            if store.exists(spec["id"]) and not store.get(spec["id"]).status.is_terminal:
-                store.update(spec["id"], status=JobStatus.failed, finished_at=time.time(),
-                             error={"type": "WorkerDied", "message": "the worker running this job died (its "
-                                    "heartbeat expired) and no retries were left; resubmit the job"})
-        except Exception as err:  # noqa: BLE001
-            log.warning("worker %s: could not mark abandoned job %s failed: %s", self.name, job.id, err)
+            record_abandoned(store, job.func_name, spec, retries_left=retries_left)
+        except Exception as err:  # noqa: BLE001 - rq's own bookkeeping of the job goes on
+            log.warning("worker %s: could not record abandoned job %s: %s", self.name, job.id, err)
         return True
 
     def execute_job(self, job: Any, queue: Any) -> None:
@@ -137,6 +129,34 @@ class JacobianWorker(SimpleWorker):
                 self.maintain_heartbeats(job, execution)
             except Exception as err:  # a missed beat is retried next interval
                 log.warning("worker %s: heartbeat failed: %s", self.name, err)
+
+
+def record_abandoned(store: JobStore, task: str | None, spec: dict[str, Any], *, retries_left: bool) -> bool:
+    """Move the record of a job whose rq job was abandoned (its worker died); True when it moved.
+
+    - ``run_job`` of the job itself with no retries left, or its ``finalize_job`` (sharded) with none:
+      ``failed`` as ``WorkerDied``, with the record's TTL, so that it never stays ``running``;
+    - ``run_job`` of the job itself with a retry left: ``queued`` again (a transient ``WorkerDied``
+      error), as rq has requeued it; the next attempt moves it to ``running``;
+    - a shard: nothing (its finalizer fails the job, naming the shard); a finalizer with a retry left:
+      nothing (it runs again).
+
+    A job that already ended is left as it is (``JobStore.transition`` refuses the move). Raises
+    ``JobNotFound`` when the record is gone (expired), ``redis.RedisError``.
+    """
+    job_id = spec.get("id")
+    if task not in (RUN_JOB_TASK, FINALIZE_JOB_TASK) or spec.get("shard") is not None or not job_id:
+        return False
+    what = "this job's finalizer" if task == FINALIZE_JOB_TASK else "this job"
+    if not retries_left:
+        message = (f"the worker running {what} died (its heartbeat expired) and no retries were left; "
+                   "resubmit the job")
+        return store.transition(job_id, JobStatus.failed, error=ErrorInfo(type="WorkerDied", message=message))
+    if task == RUN_JOB_TASK:
+        message = "the worker running this job died (its heartbeat expired); rq runs it again on another worker"
+        return store.transition(job_id, JobStatus.queued,
+                                error=ErrorInfo(type="WorkerDied", message=message, transient=True))
+    return False
 
 
 def configure_devices() -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
-DEFAULT_MAX_MODELS = int(os.environ.get("JACOBIAN_MODEL_CACHE_SIZE", "4"))
+DEFAULT_MAX_MODELS = 4
 
 
 def _default_loader(path: str, signature: str) -> Any:
@@ -29,8 +28,6 @@ class ModelCache:
         self.loader = loader
         self._models: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
 
     @staticmethod
     def key(path: str, signature: str) -> tuple[str, str, int]:
@@ -45,9 +42,7 @@ class ModelCache:
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
-                self.hits += 1
                 return self._models[key]
-            self.misses += 1
             model = self.loader(key[0], signature)
             self._models[key] = model
             while len(self._models) > self.max_models:
@@ -66,10 +61,12 @@ _cache: ModelCache | None = None
 
 
 def get_model_cache() -> ModelCache:
-    """The process-wide cache (outlives jobs in a ``SimpleWorker``)."""
+    """The process-wide cache (outlives jobs in a ``SimpleWorker``), of ``Settings.model_cache_size`` models."""
     global _cache
     if _cache is None:
-        _cache = ModelCache()
+        from contracts.settings import get_settings
+
+        _cache = ModelCache(max_models=get_settings().model_cache_size)
     return _cache
 
 

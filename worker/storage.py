@@ -3,6 +3,7 @@
 Layout under ``{results_url}/{job_id}/``: ``jacobian.zarr`` (the array), ``committed/{block}`` (one
 marker per block whose data is written; resumed jobs skip those blocks) and ``manifest.json``
 (written last; its presence means the result is complete). A reader needs only zarr.
+``remove_partial_result`` and ``remove_job_result`` delete what a failed or canceled job leaves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ from contracts.layout import COMMITTED_DIR, MANIFEST, RESULT_ARRAY, Block, Resul
 log = logging.getLogger(__name__)
 
 
+def remove_partial_result(results_url: str, job_id: str) -> None:
+    """Remove the job's array and commit markers (a failed job's partial result); its inputs and any
+    other file of the job folder stay. Nothing there is not an error; raises ``OSError`` when storage fails."""
+    base = job_url(results_url, job_id)
+    storage.delete_prefix(storage.join(base, RESULT_ARRAY))
+    storage.delete_prefix(storage.join(base, COMMITTED_DIR))
+
+
+def remove_job_result(results_url: str, job_id: str) -> None:
+    """Remove everything under the job's folder (array, markers, manifest, inputs), as cancel does.
+    Nothing there is not an error; raises ``OSError`` when storage fails."""
+    storage.delete_prefix(job_url(results_url, job_id))
+
+
 class ResultWriteError(RuntimeError):
     """Storage kept failing for one block after every retry; the job may be retried later."""
 
@@ -42,10 +57,6 @@ class RetryPolicy:
 
     attempts: int = 5
     first_delay_s: float = 0.5
-
-    @property
-    def total_sleep_s(self) -> float:
-        return self.first_delay_s * (2 ** (self.attempts - 1) - 1)
 
 
 _STOP = object()
@@ -118,18 +129,13 @@ class ResultWriter:
         No engine or model needed (the finalizer of a sharded job uses it to check the commit markers
         and write the manifest). Raises ``FileNotFoundError`` when there is no array.
         """
-        import zarr
-
         url = storage.join(storage.normalize(job_url(results_url, job_id)), RESULT_ARRAY)
         try:
-            arr = zarr.open_array(store=storage.zarr_store(url, read_only=True), mode="r")
+            arr = storage.open_array(url, mode="r")
         except (KeyError, ValueError) as err:
             raise FileNotFoundError(f"result: no readable array at {url} ({err})") from err
-        attrs = dict(arr.attrs)
-        layout = ResultLayout(shape=tuple(int(d) for d in attrs["shape"]), iter_start=int(attrs["iter_start"]),
-                              iter_stop=int(attrs["iter_stop"]), itemsize=int(arr.dtype.itemsize),
-                              block_bytes=int(attrs["block_bytes"]))
-        return cls(results_url, job_id, layout=layout, dtype=arr.dtype, attrs=attrs, create=False, **kwargs)
+        return cls(results_url, job_id, layout=ResultLayout.of_array(arr), dtype=arr.dtype, attrs=dict(arr.attrs),
+                   create=False, **kwargs)
 
     # -- what is done, what is left -------------------------------------------------------------
 
@@ -200,13 +206,13 @@ class ResultWriter:
             if self._buffer_block is None or self._buffer_block.index != block.index:
                 if self._buffer_block is not None:
                     raise ValueError(f"rows: block {self._buffer_block.index} is incomplete "
-                                     f"({self._filled} of {self._block_rows(self._buffer_block)} rows) "
+                                     f"({self._filled} of {self._buffer_block.rows} rows) "
                                      f"but row {row} arrived; rows must come in ascending order without gaps")
                 if row != block.row_start:
                     raise ValueError(f"rows: row {row} is not at a block start ({block.row_start}); "
                                      f"row ranges must cover whole storage blocks")
                 self._buffer_block = block
-                self._buffer = np.empty((self._block_rows(block),) + self.layout.row_shape, self.dtype)
+                self._buffer = np.empty((block.rows,) + self.layout.row_shape, self.dtype)
                 self._filled = 0
             elif row != block.row_start + self._filled:
                 raise ValueError(f"rows: expected row {block.row_start + self._filled}, got {row}")
@@ -215,7 +221,7 @@ class ResultWriter:
             self._buffer[self._filled:self._filled + take] = rows[pos:pos + take]
             self._filled += take
             pos += take
-            if self._filled == self._block_rows(block):
+            if self._filled == block.rows:
                 self._submit(block, self._buffer)
                 self._buffer_block, self._buffer, self._filled = None, None, 0
 
@@ -231,7 +237,7 @@ class ResultWriter:
         self._raise_if_failed()
         if self._buffer_block is not None:
             raise ValueError(f"rows: block {self._buffer_block.index} got {self._filled} of "
-                             f"{self._block_rows(self._buffer_block)} rows")
+                             f"{self._buffer_block.rows} rows")
 
     def abort(self) -> None:
         """Stop the writer thread, dropping queued blocks; never raises."""
@@ -271,23 +277,12 @@ class ResultWriter:
         Raises ``RuntimeError`` when a block of this job's range is not committed.
         """
         self.close()
-        missing = [b.index for b in self.blocks if self._in_rows(b) and b.index not in self.committed_blocks()]
+        missing = [b.index for b in self.missing_blocks()]  # one listing of the markers, not one per block
         if missing:
             raise RuntimeError(f"manifest: blocks {missing[:10]} are not committed; the result is incomplete")
         manifest = _jsonable({**self.manifest_base(), **fields})
         storage.write_bytes(self.manifest_url, json.dumps(manifest, indent=2, sort_keys=True).encode())
         return self.manifest_url
-
-    def delete(self) -> None:
-        """Remove the whole job folder (array, markers, manifest, inputs)."""
-        self.abort()
-        storage.delete_prefix(self.job_url)
-
-    def delete_partial(self) -> None:
-        """Remove the array and its commit markers, keeping other files of the job folder."""
-        self.abort()
-        storage.delete_prefix(self.array_url)
-        storage.delete_prefix(self.committed_url)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -303,9 +298,6 @@ class ResultWriter:
                              f"boundaries (block starts: {self._starts[:8]}...)")
         return (start, stop)
 
-    def _block_rows(self, block: Block) -> int:
-        return block.row_stop - block.row_start
-
     def _block_at(self, row: int) -> Block:
         i = bisect.bisect_right(self._starts, row) - 1
         if i < 0 or row >= self.blocks[i].row_stop:
@@ -313,12 +305,10 @@ class ResultWriter:
         return self.blocks[i]
 
     def _open_or_create(self) -> Any:
-        import zarr
-
         shape, chunks = tuple(self.layout.shape), tuple(self.layout.chunks)
         if self._committed:
             try:
-                arr = zarr.open_array(store=storage.zarr_store(self.array_url, read_only=False), mode="r+")
+                arr = storage.open_array(self.array_url, mode="r+")
                 if tuple(arr.shape) == shape and tuple(arr.chunks) == chunks and arr.dtype == self.dtype:
                     log.info("job %s: resuming, %d of %d blocks committed", self.job_id,
                              len(self._committed), len(self.blocks))
@@ -329,6 +319,7 @@ class ResultWriter:
         storage.delete_prefix(self.committed_url)
         storage.delete_prefix(self.array_url)
         self._committed = set()
+        import zarr
         from zarr.codecs import ZstdCodec
 
         # zstd level 1: zarr's default ratio on Jacobians (dense ones barely compress, block-diagonal
@@ -339,10 +330,8 @@ class ResultWriter:
 
     def _open_existing(self) -> Any:
         """The array written by several writers at once (shards): opened, never deleted or recreated."""
-        import zarr
-
         try:
-            arr = zarr.open_array(store=storage.zarr_store(self.array_url, read_only=False), mode="r+")
+            arr = storage.open_array(self.array_url, mode="r+")
         except (FileNotFoundError, KeyError, ValueError) as err:
             raise FileNotFoundError(f"result: the array {self.array_url} of a sharded job is missing ({err}); "
                                     "it is created when the job is split, and removed only by cancel") from err

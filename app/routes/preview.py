@@ -18,11 +18,9 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 
 from app.deps import JobIdDep, StoreDep, require_api_key
-from app.errors import JobNotFinished, error_responses
+from app.errors import error_responses
 from app.heatmap import block_mean, placeholder, render
-from contracts import storage
-from contracts.jobspec import JobStatus
-from contracts.layout import RESULT_ARRAY, job_url
+from app.job_storage import open_result_at, result_uri
 
 PNG_MEDIA_TYPE = "image/png"
 CACHE_ENTRIES = 32
@@ -100,22 +98,14 @@ def get_preview(
 ) -> Response:
     """A heatmap of the Jacobian (409 until the job has succeeded)."""
     record = store.get(job_id)
-    if record.status != JobStatus.succeeded:
-        detail = f" ({record.error.get('message')})" if record.error else ""
-        raise JobNotFinished(f"id: job {job_id!r} is {record.status.value}{detail}; its preview can be drawn once "
-                             "its status is 'succeeded'")
-    uri = (record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], job_id)}/{RESULT_ARRAY}"
+    uri = result_uri(record, use="its preview can be drawn")
     key = (job_id, uri, record.finished_at, panels, size)
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
             _cache.move_to_end(key)
     if hit is None:
-        try:
-            array = storage.open_array(uri, mode="r")
-        except (FileNotFoundError, KeyError) as exc:
-            raise JobNotFinished(f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); "
-                                 "results expire, submit the job again") from None
+        array = open_result_at(job_id, uri)
         with _render_slots:
             hit = render_preview(array, kind=record.spec.get("kind"), panels=panels, size=size)
         with _cache_lock:

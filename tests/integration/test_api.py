@@ -172,7 +172,7 @@ def test_list_jobs_pages_and_filters(client, redis_conn):
     assert [j["id"] for j in page["jobs"]] == ids[::-1][:2] and page["next_page_token"]
     rest = client.get("/v1/jobs", params={"limit": 2, "page_token": page["next_page_token"]}).json()
     assert [j["id"] for j in rest["jobs"]] == [ids[0]] and rest["next_page_token"] is None
-    JobStore(redis_conn).update(ids[1], status=JobStatus.running)
+    JobStore(redis_conn).transition(ids[1], JobStatus.running)
     running = client.get("/v1/jobs", params={"status": "running"}).json()["jobs"]
     assert [j["id"] for j in running] == [ids[1]]
     bad = client.get("/v1/jobs", params={"page_token": "!!"})
@@ -227,6 +227,8 @@ def test_cancel_queued_running_and_finished(client, redis_conn, results):
     assert (results / queued / "inputs.npz").is_file()
     body = client.post(f"/v1/jobs/{queued}/cancel").json()
     assert body["status"] == "canceled" and body["finished_at"]
+    assert body["error"] == {"type": "Canceled", "message": "canceled before it started"}
+    assert 0 < redis_conn.ttl(store.key(queued)) <= get_settings().result_ttl_s  # set with the status
     assert not (results / queued).exists()  # it will never run: its inputs are removed
     assert Queue("jacobian", connection=redis_conn).count == 0
     assert fetch_rq(redis_conn, queued).get_status() == "canceled"
@@ -235,12 +237,12 @@ def test_cancel_queued_running_and_finished(client, redis_conn, results):
     running = client.post("/v1/jobs", json=mlp_body()).json()["id"]
     Queue("jacobian", connection=redis_conn).remove(running)  # as if a worker had dequeued it
     fetch_rq(redis_conn, running).set_status("started")
-    store.update(running, status=JobStatus.running)
+    store.transition(running, JobStatus.running)
     assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "running"
     assert store.is_cancel_requested(running)  # the worker stops between chunks (and removes its data)
     assert (results / running / "inputs.npz").is_file()
 
-    store.update(running, status=JobStatus.succeeded)
+    store.transition(running, JobStatus.succeeded)
     assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "succeeded"
 
 
@@ -262,8 +264,9 @@ def rows_of(full: np.ndarray, iter_start: int, iter_stop: int) -> np.ndarray:
 
 
 def succeed(redis_conn, job_id: str, uri: str, full: np.ndarray) -> None:
-    JobStore(redis_conn).update(job_id, status=JobStatus.succeeded, finished_at=time.time(),
-                                result={"uri": uri, "shape": list(full.shape), "dtype": full.dtype.name})
+    JobStore(redis_conn).transition(job_id, JobStatus.running)
+    JobStore(redis_conn).transition(job_id, JobStatus.succeeded, finished_at=time.time(),
+                                    result={"uri": uri, "shape": list(full.shape), "dtype": full.dtype.name})
 
 
 @pytest.mark.parametrize("iter_start,iter_stop,block_bytes", [(0, 2, 80), (1, 3, 100), (2, 4, 1 << 20), (0, 0, 64)])
@@ -317,7 +320,7 @@ def test_a_row_larger_than_the_response_limit_is_streamed(env, redis_conn, resul
 
 def test_result_of_failed_job_is_409_with_reason(client, redis_conn):
     job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
-    JobStore(redis_conn).update(job_id, status=JobStatus.failed, error={"type": "X", "message": "boom"})
+    JobStore(redis_conn).transition(job_id, JobStatus.failed, error={"type": "X", "message": "boom"})
     r = client.get(f"/v1/jobs/{job_id}/result")
     assert r.status_code == 409 and "failed" in r.json()["error"]["message"] and "boom" in r.json()["error"]["message"]
 
@@ -409,11 +412,64 @@ def test_redis_down_and_storage_broken_are_503(env, redis_server, tmp_path, monk
         assert c.get("/readyz").status_code == 503
 
 
-def test_result_gone_is_409(client, redis_conn, results):
+def test_result_gone_is_409_and_says_what_is_true(client, redis_conn, results):
+    """Stored results are never deleted by the service (README): the message says it was removed from
+    storage or the API reads other storage, and names the settings to check; not "results expire"."""
     job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
     succeed(redis_conn, job_id, f"{results}/{job_id}/jacobian.zarr", np.zeros((1,), np.float32))
-    r = client.get(f"/v1/jobs/{job_id}/result")
-    assert r.status_code == 409 and "gone" in r.json()["error"]["message"]
+    for path in (f"/v1/jobs/{job_id}/result", f"/v1/jobs/{job_id}/preview.png"):
+        r = client.get(path)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 409 and "gone" in message, (path, message)
+        assert "expire" not in message and "never deleted" in message and "JACOBIAN_RESULTS_URL" in message
+
+
+@pytest.mark.parametrize("failing", ["record", "queue"])
+def test_a_job_that_cannot_be_queued_leaves_no_record_and_no_inputs(client, redis_conn, results, monkeypatch,
+                                                                    failing):
+    """Redis goes away after the inputs were stored: the answer is 503 and nothing of the job remains
+    (its record, index entry, inputs.npz), so no job is listed that no worker will ever run."""
+    import redis
+
+    def down(*args, **kwargs):
+        raise redis.exceptions.ConnectionError("Redis went away")
+
+    monkeypatch.setattr(JobStore, "create", down) if failing == "record" else monkeypatch.setattr(
+        Queue, "enqueue_call", down)
+    r = client.post("/v1/jobs", json=mlp_body(), headers={"Idempotency-Key": "k-1"})
+    assert r.status_code == 503, r.text
+    assert redis_conn.keys("jacobian:job:*") == [] and redis_conn.zcard(JobStore.index_key) == 0
+    assert not results.exists() or list(results.iterdir()) == []
+    assert client.get("/v1/jobs").json()["jobs"] == []
+    monkeypatch.undo()
+    again = client.post("/v1/jobs", json=mlp_body(), headers={"Idempotency-Key": "k-1"})  # the key was released
+    assert again.status_code == 202 and (results / again.json()["id"] / "inputs.npz").is_file()
+
+
+def test_job_answers_keep_their_keys_and_values(client, redis_conn):
+    """GET /v1/jobs/{id}, GET /v1/jobs and POST .../cancel answer the stored record: the keys of the
+    HTTP contract, the engine's extra plan keys, an error's keys as written, no defaults filled in."""
+    job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
+    queued = client.get(f"/v1/jobs/{job_id}").json()
+    assert queued["plan"] == {} and queued["result"] is None and queued["error"] is None
+    assert queued["progress"] == {"rows_done": 0, "rows_total": None, "fraction": 0.0, "rows_per_second": None,
+                                  "eta_seconds": None}
+    store = JobStore(redis_conn)
+    plan = {"chunk_rows": 4, "strategy": "vectorized", "mode": "reverse", "free_bytes_at_start": 1 << 30,
+            "bytes_per_row": 512, "fixed_bytes": None, "oom_retries": 0, "xla": False, "source": "default",
+            "plan_key": None, "trial": None, "rows_per_second": {"4": 99.5}, "shards": 1}
+    progress = {"rows_done": 4, "rows_total": 16, "fraction": 0.25, "rows_per_second": 99.5, "eta_seconds": 0.121}
+    error = {"type": "ResultWriteError", "message": "storage: down", "transient": True}
+    store.transition(job_id, JobStatus.running, started_at=1_800_000_000.5, plan=plan, progress=progress,
+                     error=error)
+    body = client.get(f"/v1/jobs/{job_id}").json()
+    assert body == {"id": job_id, "status": "running", "progress": progress, "plan": plan, "result": None,
+                    "error": error, "created_at": queued["created_at"], "started_at": "2027-01-15T08:00:00.500Z",
+                    "finished_at": None, "kind": "jacobian", "model": queued["model"]}
+    assert list(body) == ["id", "status", "progress", "plan", "result", "error", "created_at", "started_at",
+                          "finished_at", "kind", "model"]
+    assert client.get("/v1/jobs").json() == {"jobs": [body], "next_page_token": None}
+    assert client.post(f"/v1/jobs/{job_id}/cancel").json() == body  # running: it stops at its next chunk
 
 
 def test_api_keys(env, monkeypatch):

@@ -217,7 +217,7 @@ class Pool:
         self.wait(lambda: self.registered(proc), timeout_s=120, what="a new worker registered")
 
     def live(self) -> int:
-        from worker.tasks import live_workers
+        from worker.sharding import live_workers
 
         return live_workers(self.conn, Queue(QUEUE, connection=self.conn, serializer=JSONSerializer))
 

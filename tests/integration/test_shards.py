@@ -36,8 +36,8 @@ from contracts.jobspec import (
     finalizer_job_id,
     shard_job_id,
 )
-from contracts.jobstore import JobRecord, JobStore, merge_shard_progress
-from contracts.layout import Block
+from contracts.jobstore import JobRecord, JobStore
+from contracts.records import dump
 from contracts.settings import get_settings
 from tests import models
 from tests.conftest import RedisServer, work_burst
@@ -105,43 +105,6 @@ def rq_job(conn, rq_id: str) -> Job:
     return Job.fetch(rq_id, connection=conn, serializer=JSONSerializer)
 
 
-# -- the rule and the split (no services) ------------------------------------------------------------
-
-
-def test_shard_rule_and_split():
-    from worker.tasks import choose_shards, split_rows
-
-    rule = dict(min_shard_seconds=10.0)
-    assert choose_shards(None, blocks=8, live_workers=4, estimated_seconds=100, **rule) == 4
-    assert choose_shards(None, blocks=3, live_workers=4, estimated_seconds=100, **rule) == 3  # capped by blocks
-    assert choose_shards(None, blocks=8, live_workers=4, estimated_seconds=25, **rule) == 2  # >= 10 s each
-    assert choose_shards(None, blocks=8, live_workers=4, estimated_seconds=9, **rule) == 1  # small job
-    assert choose_shards(None, blocks=8, live_workers=1, estimated_seconds=1e6, **rule) == 1  # one worker
-    assert choose_shards(None, blocks=1, live_workers=8, estimated_seconds=1e6, **rule) == 1  # one block
-    assert choose_shards(5, blocks=8, live_workers=1, estimated_seconds=0, **rule) == 5  # asked for: given
-    assert choose_shards(50, blocks=8, live_workers=1, estimated_seconds=0, **rule) == 8
-
-    def blocks(sizes):
-        out, start = [], 0
-        for i, n in enumerate(sizes):
-            out.append(Block(i, start, start + n, (), (n,)))
-            start += n
-        return out
-
-    assert split_rows(blocks([2] * 6), 2) == [(0, 6), (6, 12)]
-    assert split_rows(blocks([2] * 6), 3) == [(0, 4), (4, 8), (8, 12)]
-    assert split_rows(blocks([1] * 10), 3) == [(0, 3), (3, 7), (7, 10)]
-    assert split_rows(blocks([2, 2, 1, 2, 2, 1]), 2) == [(0, 5), (5, 10)]
-    assert split_rows(blocks([9, 1, 1]), 3) == [(0, 9), (9, 10), (10, 11)]  # every shard gets a block
-    assert split_rows(blocks([4]), 3) == [(0, 4)]
-
-    merged = merge_shard_progress({"shards": 3, "ranges": [[0, 4], [4, 8], [8, 12]], "rows_total": 12},
-                                  {0: {"rows_done": 4, "rows_total": 4, "rows_per_second": 9.0},
-                                   1: {"rows_done": 2, "rows_total": 4, "rows_per_second": 2.0}})
-    assert merged == {"rows_done": 6, "rows_total": 12, "fraction": 0.5, "rows_per_second": 2.0,
-                      "eta_seconds": 3.0}
-
-
 def test_live_workers_are_those_with_a_recent_heartbeat(redis_conn, monkeypatch):
     """A killed worker's key lives on for a minute or more (its TTL); its heartbeat stops. Only workers
     that beat recently count for the shard rule (a resumed job was split over a dead worker before)."""
@@ -150,7 +113,7 @@ def test_live_workers_are_those_with_a_recent_heartbeat(redis_conn, monkeypatch)
     from rq import Worker
     from rq.utils import now, utcformat
 
-    from worker.tasks import live_workers
+    from worker.sharding import live_workers
 
     monkeypatch.setenv("JACOBIAN_WORKER_HEARTBEAT_S", "10")
     monkeypatch.setenv("JACOBIAN_WORKER_MAINTENANCE_S", "15")
@@ -194,7 +157,7 @@ class WorkerPool:
         self.wait(lambda: self.live() == 2, timeout_s=120, what="two workers registered")
 
     def live(self) -> int:
-        from worker.tasks import live_workers
+        from worker.sharding import live_workers
 
         return live_workers(self.conn, self.queue)
 
@@ -496,14 +459,16 @@ def test_shard_lost_without_a_trace_fails_the_job_in_the_finalizer(env, redis_co
 
 
 def test_cancel_reaches_every_shard(env, redis_conn, model_root, monkeypatch, spy):
-    real_update = JobStore.update
+    real_set_fields = JobStore.set_fields
 
-    def update(self, job_id, **fields):  # a client cancels once the planner has split the job
-        real_update(self, job_id, **fields)
-        if fields.get("plan", {}).get("shards") == 3 and "chunk_rows" not in fields["plan"]:
-            real_update(self, job_id, cancel_requested=True)
+    def set_fields(self, job_id, **fields):  # a client cancels once the planner has split the job
+        written = real_set_fields(self, job_id, **fields)
+        plan = dump(fields.get("plan")) or {}
+        if plan.get("shards") == 3 and "chunk_rows" not in plan:
+            real_set_fields(self, job_id, cancel_requested=True)
+        return written
 
-    monkeypatch.setattr(JobStore, "update", update)
+    monkeypatch.setattr(JobStore, "set_fields", set_fields)
     job_id = submit(redis_conn, env, model_root, {"x": mlp_x()}, shards=3, chunk_rows=2)
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
@@ -519,7 +484,7 @@ def test_cancel_stops_running_shards_between_chunks(env, redis_conn, model_root,
     def update(self, job_id, index, progress, **kw):  # cancel once shard 1 reported its first chunk
         real_update(self, job_id, index, progress, **kw)
         if progress["rows_done"] >= 2:
-            self.update(job_id, cancel_requested=True)
+            self.set_fields(job_id, cancel_requested=True)
 
     monkeypatch.setattr(JobStore, "update_shard_progress", update)
     job_id = submit(redis_conn, env, model_root, {"x": mlp_x()}, shards=2, chunk_rows=2)

@@ -23,6 +23,7 @@ from rq.serializers import JSONSerializer
 from contracts import storage
 from contracts.jobspec import JobStatus, ModelRef, QueuedJob
 from contracts.jobstore import JobRecord, JobStore
+from contracts.records import dump
 from contracts.settings import get_settings
 from tests import models
 from tests.conftest import work_burst
@@ -141,14 +142,15 @@ def test_transient_storage_failure_is_retried_by_rq_and_resumes(env, redis_conn,
 
     monkeypatch.setattr(worker.engine, "run_problem", spy_run)
     reported = []
-    real_update = JobStore.update
+    real_set_fields = JobStore.set_fields
 
-    def spy_update(self, job_id, **fields):
-        if "progress" in fields:
-            reported.append(fields["progress"]["rows_done"])
-        real_update(self, job_id, **fields)
+    def spy_set_fields(self, job_id, **fields):
+        progress = fields.get("progress")
+        if progress is not None:
+            reported.append(progress["rows_done"] if isinstance(progress, dict) else progress.rows_done)
+        return real_set_fields(self, job_id, **fields)
 
-    monkeypatch.setattr(JobStore, "update", spy_update)
+    monkeypatch.setattr(JobStore, "set_fields", spy_set_fields)
     job_id = submit(redis_conn, env, model_root, x, retries=1, chunk_rows=4)
     work_burst(redis_conn)  # the retried job is requeued at once and taken by the same burst
     rec = JobStore(redis_conn).get(job_id)
@@ -212,14 +214,16 @@ def test_engine_error_fails_with_clear_message_and_no_retry(env, redis_conn, mod
 
 def test_cancel_between_chunks_removes_partial_data(env, redis_conn, model_root, x, monkeypatch):
     store_cls = JobStore
-    real_update = store_cls.update
+    real_set_fields = store_cls.set_fields
 
-    def update(self, job_id, **fields):  # a client cancels once the first chunk is reported
-        real_update(self, job_id, **fields)
-        if fields.get("progress", {}).get("rows_done", 0) >= 2:
-            real_update(self, job_id, cancel_requested=True)
+    def set_fields(self, job_id, **fields):  # a client cancels once the first chunk is reported
+        written = real_set_fields(self, job_id, **fields)
+        progress = fields.get("progress")
+        if progress is not None and dump(progress).get("rows_done", 0) >= 2:
+            real_set_fields(self, job_id, cancel_requested=True)
+        return written
 
-    monkeypatch.setattr(store_cls, "update", update)
+    monkeypatch.setattr(store_cls, "set_fields", set_fields)
     job_id = submit(redis_conn, env, model_root, x, chunk_rows=2)
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
@@ -290,8 +294,9 @@ def test_rerun_of_a_finished_job_computes_nothing(env, redis_conn, model_root, x
     job_id = submit(redis_conn, env, model_root, x)
     work_burst(redis_conn)
     manifest = (env / job_id / "manifest.json").read_bytes()
-    # a worker died after the manifest but before the status update; rq runs the job again
-    JobStore(redis_conn).update(job_id, status=JobStatus.queued)
+    # a worker died after the manifest but before the status update (the record says running); rq runs
+    # the job again. No transition leads back from succeeded: the record is set as that worker left it.
+    redis_conn.hset(JobStore(redis_conn).key(job_id), "status", JobStatus.running.value)
     spec = JobStore(redis_conn).get(job_id).spec
     monkeypatch.setattr(worker.engine, "run_problem", lambda *a, **k: pytest.fail("recomputed a finished job"))
     Queue(get_settings().queue_name, connection=redis_conn, serializer=JSONSerializer).enqueue(

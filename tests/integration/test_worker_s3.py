@@ -72,15 +72,17 @@ def test_writer_on_s3_resumes_and_reads_back_with_plain_zarr(s3_env):
 def test_compute_to_storage_on_s3_equals_tape_jacobian(s3_env, tmp_path):
     import tensorflow as tf
 
+    from contracts.settings import get_settings
     from worker.engine import build_problem, load_model
-    from worker.tasks import compute_to_storage, load_inputs
+    from worker.inputs import load_inputs
+    from worker.pipeline import compute_to_storage
 
     path = models.cnn(tmp_path / "cnn")
     x = np.random.default_rng(1).normal(size=(2, 8, 8, 3)).astype(np.float32)
     buf = io.BytesIO()
     np.savez(buf, image=x)
     storage.write_bytes(f"s3://{s3_env}/in/x.npz", buf.getvalue())
-    problem = build_problem(load_model(str(path)), load_inputs(f"s3://{s3_env}/in/x.npz"))
+    problem = build_problem(load_model(str(path)), load_inputs(f"s3://{s3_env}/in/x.npz", settings=get_settings()))
     manifest = compute_to_storage(problem, results_url=f"s3://{s3_env}/results", job_id="cnn1", chunk_rows=3)
 
     loaded = tf.saved_model.load(str(path))  # keep it alive: the signature needs its variables
@@ -94,3 +96,23 @@ def test_compute_to_storage_on_s3_equals_tape_jacobian(s3_env, tmp_path):
     assert got.shape == expected.shape == (2, 5, 2, 8, 8, 3)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     assert storage.exists(f"s3://{s3_env}/results/cnn1/manifest.json")
+
+
+def test_result_removal_on_s3(s3_env):
+    """``remove_partial_result`` keeps the job's inputs; ``remove_job_result`` empties its folder only."""
+    from worker.storage import remove_job_result, remove_partial_result
+
+    results = f"s3://{s3_env}/results"
+    layout = ResultLayout(shape=(6, 5), iter_start=0, iter_stop=1, itemsize=4, block_bytes=40)  # 3 blocks
+    for job_id in ("a", "b"):
+        storage.write_bytes(f"{results}/{job_id}/inputs.npz", b"npz")
+        with ResultWriter(results, job_id, layout=layout, dtype="float32") as w:
+            w.write_rows(0, np.ones((6, 5), np.float32))
+        assert storage.list_names(f"{results}/{job_id}") == ["committed", "inputs.npz", "jacobian.zarr"]
+    remove_partial_result(results, "a")
+    assert storage.list_names(f"{results}/a") == ["inputs.npz"]
+    remove_partial_result(results, "a")  # nothing left to remove: not an error
+    remove_job_result(results, "a")
+    assert storage.list_names(results) == ["b"] and not storage.exists(f"{results}/a")
+    assert storage.list_names(f"{results}/b") == ["committed", "inputs.npz", "jacobian.zarr"]
+    remove_job_result(results, "a")

@@ -11,6 +11,13 @@ import pytest
 from app.client import JacobianClient, JacobianError, JobFailed
 
 
+def job_record(job_id: str, status: str, **fields) -> dict:
+    """A ``GET /v1/jobs/{id}`` body as the API serves it."""
+    return {"id": job_id, "status": status, "progress": {}, "plan": {}, "result": None, "error": None,
+            "created_at": "2026-01-01T00:00:00.000Z", "started_at": None, "finished_at": None, "kind": "jacobian",
+            "model": {"path": "/models/mlp", "signature": "serving_default"}, **fields}
+
+
 def test_submit_retries_connection_errors_with_the_same_idempotency_key():
     seen: list[httpx.Request] = []
 
@@ -50,8 +57,8 @@ def test_retries_are_bounded_and_errors_carry_type_and_message():
             return httpx.Response(503, json={"error": {"type": "NotReady", "message": "redis: unreachable"}})
         if request.url.path.endswith("/gone"):
             return httpx.Response(404, json={"error": {"type": "JobNotFound", "message": "id: no job 'gone'"}})
-        return httpx.Response(200, json={"id": "f", "status": "failed",
-                                         "error": {"type": "UnconnectedGradient", "message": "wrt: not connected"}})
+        return httpx.Response(200, json=job_record("f", "failed", error={"type": "UnconnectedGradient",
+                                                                          "message": "wrt: not connected"}))
 
     client = JacobianClient("http://api", transport=httpx.MockTransport(answers), retries=1, backoff_s=0.0)
     with pytest.raises(JacobianError) as err:
@@ -76,3 +83,22 @@ def test_post_not_retried_after_it_may_have_arrived_without_a_key():
     with pytest.raises(JacobianError):
         client._request("POST", "/v1/jobs/x/other")
     assert calls["n"] == 1
+
+
+def test_job_records_are_checked_and_typed_and_served_json_is_kept():
+    body = job_record("a" * 32, "succeeded", progress={"rows_done": 4, "rows_total": 4, "fraction": 1,
+                                                       "rows_per_second": 2.5, "eta_seconds": 0},
+                      plan={"chunk_rows": 4, "strategy": "vectorized", "xla": False},
+                      result={"uri": "/r/a.zarr", "shape": [4, 8], "dtype": "float32"})
+    answers = {"/v1/jobs/" + "a" * 32: body, "/v1/jobs/bad": {"id": "bad", "status": "finished"},
+               "/v1/jobs": {"jobs": [body], "next_page_token": None}}
+    client = JacobianClient("http://api", transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, json=answers[request.url.path])), backoff_s=0.0)
+    assert client.status("a" * 32) == body  # the JSON as served, ints and extra plan keys untouched
+    assert client.list() == [body]
+    job = client.job("a" * 32)
+    assert job.status.value == "succeeded" and job.result.shape == [4, 8] and job.plan.chunk_rows == 4
+    assert job.progress.fraction == 1.0 and job.plan.model_extra == {"xla": False}
+    with pytest.raises(JacobianError) as err:
+        client.status("bad")
+    assert err.value.type == "InvalidResponse" and "JobPublic" in err.value.message

@@ -41,9 +41,14 @@ def test_budget_caps_free_memory():
     assert plan_chunk(rows_total=10_000, memory=mem, free_bytes=10**9, budget_bytes=500) == 16  # 0.8*500=400 -> 30
 
 
-def test_never_more_than_the_rows():
+def test_never_more_than_the_bucket_of_the_rows():
+    """A chunk is a power-of-two bucket (one compiled function serves many sizes): all the rows of a
+    small job fit in one chunk padded to their bucket, never in a larger one."""
     mem = LinearFit(fixed=0, per_row=1)
-    assert plan_chunk(rows_total=5, memory=mem, free_bytes=10**12) == 8  # one padded bucket holds all rows
+    for rows in (1, 3, 5, 8, 9, 31, 33):
+        chunk = plan_chunk(rows_total=rows, memory=mem, free_bytes=10**12)
+        assert chunk == bucket_rows(rows), (rows, chunk)
+        assert rows <= chunk < 2 * rows
 
 
 def test_less_free_memory_shrinks_the_chunk():
@@ -66,7 +71,7 @@ def test_throughput_plateau_stops_growth():
 
 
 def test_effective_budget_is_the_tighter_cap():
-    from worker.tasks import effective_budget
+    from worker.inputs import effective_budget
 
     assert effective_budget(None, None) is None
     assert effective_budget(100, None) == 100

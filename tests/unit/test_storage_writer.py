@@ -212,3 +212,18 @@ def test_storage_helpers_on_local_paths(tmp_path: Path) -> None:
     assert not storage.exists(url) and storage.list_names(str(tmp_path / "a")) == []
     with pytest.raises(FileNotFoundError):
         storage.read_bytes(url)
+
+
+@pytest.mark.parametrize("n_blocks", [4, 64])
+def test_manifest_lists_the_commit_markers_once(tmp_path: Path, monkeypatch, n_blocks: int) -> None:
+    """``write_manifest`` reads the markers in one listing, however many blocks (one LIST on S3, not n)."""
+    layout = ResultLayout(shape=(n_blocks, 5), iter_start=0, iter_stop=1, itemsize=4, block_bytes=20)  # 1 row/block
+    w = ResultWriter(str(tmp_path), "j", layout=layout, dtype="float32", retry=FAST)
+    feed(w, np.ones((n_blocks, 5), np.float32), [n_blocks])
+    w.close()
+    listed: list[str] = []
+    real = storage.list_names
+    monkeypatch.setattr(storage, "list_names", lambda url: listed.append(url) or real(url))
+    w.write_manifest({})
+    assert (tmp_path / "j" / "manifest.json").is_file()
+    assert len(listed) == 1, f"{len(listed)} listings for {n_blocks} blocks"

@@ -5,18 +5,28 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from contracts import rules
+from contracts.savedmodel import Shape, strip_variable_suffix
 from worker.engine.errors import InvalidRequest, NotDifferentiable
 
 
-def _shape_list(shape: Any) -> list[int | None] | None:
-    if shape.rank is None:
+def shape_tuple(shape: Any) -> Shape:
+    """A ``tf.TensorShape`` or a tuple as ``contracts.rules``' shape: ``None`` dims, ``None`` for unknown rank."""
+    if getattr(shape, "rank", 0) is None:
         return None
-    return [None if d is None else int(d) for d in shape.as_list()]
+    dims = shape.as_list() if hasattr(shape, "as_list") else shape
+    return tuple(None if d is None else int(d) for d in dims)
+
+
+def _shape_list(shape: Any) -> list[int | None] | None:
+    dims = shape_tuple(shape)
+    return None if dims is None else list(dims)
 
 
 class CompiledChunks:
@@ -70,16 +80,13 @@ class LoadedModel:
     compiled: CompiledChunks = field(default_factory=CompiledChunks)
 
     def find_variable(self, name: str) -> tuple[str, Any]:
-        """The variable called ``name`` (``:0`` optional; a unique suffix such as ``kernel`` of one layer works)."""
-        key = name[:-2] if name.endswith(":0") else name
-        if key in self.variables:
-            return key, self.variables[key]
-        matches = [n for n in self.variables if n.endswith("/" + key)]
-        if len(matches) == 1:
-            return matches[0], self.variables[matches[0]]
-        choices = ", ".join(f"'variables/{n}'" for n in sorted(self.variables)) or "(the model has no variables)"
-        why = "is ambiguous" if matches else "is not a variable of this model"
-        raise InvalidRequest(f"wrt: 'variables/{name}' {why}; choose one of: {choices}", field="wrt")
+        """The variable called ``name`` and its full name (``contracts.rules.find_variable``: ``:0``
+        optional; a unique suffix such as ``kernel`` of one layer works); raises InvalidRequest."""
+        try:
+            full = rules.find_variable(name, self.variables)
+        except rules.RuleViolation as err:
+            raise InvalidRequest(str(err), field=err.field) from None
+        return full, self.variables[full]
 
 
 def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
@@ -107,7 +114,7 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
     output_specs = {name: tf.TensorSpec(t.shape, t.dtype, name) for name, t in outputs.items()}
     variables = {}
     for v in fn.variables:
-        name = v.name[:-2] if v.name.endswith(":0") else v.name
+        name = strip_variable_suffix(v.name)  # as the API names it (contracts.savedmodel)
         variables.setdefault(name, v)
     return LoadedModel(path=str(path), signature=signature, loaded=loaded, fn=fn, input_specs=input_specs,
                        output_specs=output_specs, variables=variables, fingerprint=model_fingerprint(path),

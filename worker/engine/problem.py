@@ -3,23 +3,29 @@
 Row conventions (``layout.iter_*``): reverse mode iterates over elements of ``of`` (rows of J),
 forward mode over elements of ``wrt`` (columns of J), ``batch_jacobian`` over features (all
 examples at once), ``hessian`` over elements of ``wrt``.
+
+The request's rules (inputs, ``of``, ``wrt``, each kind's) are ``contracts.rules``, the API's too: here
+they run on the signature and the concrete tensors, and again on the concrete shape of ``of`` after
+one forward pass (what the signature leaves open); a ``RuleViolation`` is raised as ``InvalidRequest``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from contracts import rules
+from contracts.jobspec import STORABLE_DTYPES
 from contracts.layout import ResultLayout
 from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
-from worker.engine.model import LoadedModel
+from worker.engine.model import LoadedModel, shape_tuple
 from worker.engine.plan import PlanKey, batch_bucketed
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-STORABLE_DTYPES = ("float16", "float32", "float64")
+T = TypeVar("T")
 
 
 @dataclass
@@ -41,7 +47,7 @@ class Problem:
     def wrt_variable(self) -> Any | None:
         if not self.wrt.startswith("variables/"):
             return None
-        return self.model.find_variable(self.wrt[len("variables/"):])[1]
+        return self.model.variables[self.wrt[len("variables/"):]]
 
     @property
     def batch(self) -> int | None:
@@ -75,70 +81,46 @@ class Problem:
         }
 
 
-def _choices(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in sorted(names)) or "(none)"
+def _ruled(rule: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``rule(...)`` of ``contracts.rules``, a ``RuleViolation`` raised as ``InvalidRequest`` (same message, field)."""
+    try:
+        return rule(*args, **kwargs)
+    except rules.RuleViolation as err:
+        raise InvalidRequest(str(err), field=err.field) from None
+
+
+def _spec(t: Any) -> rules.Spec:
+    """A ``tf.TensorSpec``, variable, tensor or array as the rulebook's ``Spec`` (dtype name, shape)."""
+    return rules.Spec(t.dtype.name, shape_tuple(t.shape))
 
 
 def _convert_inputs(model: LoadedModel, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs checked against the signature (``rules.check_inputs``) as ``tf.Tensor``s."""
     import tensorflow as tf
 
-    unknown = sorted(set(inputs) - set(model.input_specs))
-    if unknown:
-        raise InvalidRequest(f"inputs.{unknown[0]}: not an input of signature {model.signature!r}; "
-                             f"inputs are: {_choices(list(model.input_specs))}", field=f"inputs.{unknown[0]}")
-    out = {}
-    for name, spec in model.input_specs.items():
-        if name not in inputs:
-            raise InvalidRequest(f"inputs.{name}: missing; the signature needs {spec.dtype.name} "
-                                 f"with shape {_shape_str(spec.shape)}", field=f"inputs.{name}")
-        value = np.asarray(inputs[name])
-        if value.dtype.name != spec.dtype.name:
-            raise InvalidRequest(f"inputs.{name}: dtype is {value.dtype.name} but the signature needs "
-                                 f"{spec.dtype.name}; send {spec.dtype.name} data", field=f"inputs.{name}")
-        if not spec.shape.is_compatible_with(value.shape):
-            raise InvalidRequest(f"inputs.{name}: shape {list(value.shape)} does not fit the signature's "
-                                 f"{_shape_str(spec.shape)}", field=f"inputs.{name}")
-        out[name] = tf.constant(value)
-    return out
+    arrays = {name: np.asarray(value) for name, value in inputs.items()}
+    _ruled(rules.check_inputs, {n: _spec(a) for n, a in arrays.items()},
+           {n: _spec(s) for n, s in model.input_specs.items()}, signature=model.signature)
+    return {name: tf.constant(arrays[name]) for name in model.input_specs}
 
 
-def _shape_str(shape: Any) -> str:
-    if shape.rank is None:
-        return "any shape"
-    return "[" + ", ".join("None" if d is None else str(d) for d in shape.as_list()) + "]"
+def _described(model: LoadedModel) -> dict[str, dict[str, rules.Spec]]:
+    """The signature's declared ``inputs`` and ``outputs`` and the model's ``variables``, for the rulebook."""
+    return {"inputs": {n: _spec(s) for n, s in model.input_specs.items()},
+            "outputs": {n: _spec(s) for n, s in model.output_specs.items()},
+            "variables": {n: _spec(v) for n, v in model.variables.items()}}
 
 
-def _resolve_of(model: LoadedModel, of: str | None) -> str:
-    if of is None:
-        if len(model.output_specs) == 1:
-            return next(iter(model.output_specs))
-        raise InvalidRequest(f"of: the signature has several outputs; choose one of: {_choices(list(model.output_specs))}",
-                             field="of")
-    if of not in model.output_specs:
-        raise InvalidRequest(f"of: {of!r} is not an output of signature {model.signature!r}; "
-                             f"choose one of: {_choices(list(model.output_specs))}", field="of")
-    return of
+def _resolve(model: LoadedModel, of: str | None, wrt: str | None) -> tuple[str, str]:
+    """``of`` and ``wrt`` resolved from the signature (``rules.resolve_of``, ``rules.resolve_wrt``)."""
+    d = _described(model)
+    return (_ruled(rules.resolve_of, of, d["outputs"], signature=model.signature),
+            _ruled(rules.resolve_wrt, wrt, d["inputs"], d["variables"], signature=model.signature))
 
 
-def _resolve_wrt(model: LoadedModel, wrt: str | None) -> str:
-    floats = [n for n, s in model.input_specs.items() if s.dtype.name in FLOAT_DTYPES]
-    if wrt is None:
-        if len(floats) == 1:
-            return floats[0]
-        raise InvalidRequest(f"wrt: cannot guess; choose one of: {_choices(floats)} or 'variables/<name>'", field="wrt")
-    if wrt.startswith("variables/"):
-        name, var = model.find_variable(wrt[len("variables/"):])
-        if var.dtype.name not in FLOAT_DTYPES:
-            raise InvalidRequest(f"wrt: variable {name!r} is {var.dtype.name} and cannot be differentiated", field="wrt")
-        return "variables/" + name
-    if wrt not in model.input_specs:
-        raise InvalidRequest(f"wrt: {wrt!r} is not an input of signature {model.signature!r}; choose one of: "
-                             f"{_choices(floats)} or 'variables/<name>'", field="wrt")
-    dtype = model.input_specs[wrt].dtype.name
-    if dtype not in FLOAT_DTYPES:
-        raise InvalidRequest(f"wrt: {wrt!r} is {dtype} and cannot be differentiated; choose one of: {_choices(floats)}",
-                             field="wrt")
-    return wrt
+def _wrt_target(model: LoadedModel, inputs: dict[str, Any], wrt: str) -> Any:
+    """The tensor or variable ``wrt`` (resolved) names."""
+    return model.variables[wrt[len(rules.VARIABLE_PREFIX):]] if wrt.startswith(rules.VARIABLE_PREFIX) else inputs[wrt]
 
 
 def _layout(kind: str, mode: str, of_shape: tuple, wrt_shape: tuple, itemsize: int) -> ResultLayout:
@@ -160,8 +142,7 @@ def _probe_gradient(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: st
     """One eager forward and backward pass: the shape of ``of`` and a gradient (None if unconnected)."""
     import tensorflow as tf
 
-    is_var = wrt.startswith("variables/")
-    target = model.find_variable(wrt[len("variables/"):])[1] if is_var else inputs[wrt]
+    target = _wrt_target(model, inputs, wrt)
     try:
         with tf.GradientTape() as tape:
             tape.watch(target)
@@ -211,7 +192,7 @@ def _forward_agrees(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: st
     """
     import tensorflow as tf
 
-    target = model.find_variable(wrt[10:])[1] if wrt.startswith("variables/") else inputs[wrt]
+    target = _wrt_target(model, inputs, wrt)
     tangent = tf.constant(np.random.default_rng(1).standard_normal(target.shape), dtype=target.dtype)
     try:
         with tf.autodiff.ForwardAccumulator(target, tangent) as acc:
@@ -272,22 +253,13 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
     gradient, the forward-mode test and the independence check are then not run again, and the
     resolved mode is reused. For any other request it is ignored and the request is checked in full.
     """
-    if kind not in ("jacobian", "batch_jacobian", "hessian"):
-        raise InvalidRequest(f"kind: {kind!r} is not supported; use 'jacobian', 'batch_jacobian' or 'hessian'",
-                             field="kind")
-    if mode not in ("auto", "reverse", "forward"):
-        raise InvalidRequest(f"mode: {mode!r} is not supported; use 'auto', 'reverse' or 'forward'", field="mode")
-    if reduce not in (None, "sum"):
-        raise InvalidRequest(f"reduce: {reduce!r} is not supported; use 'sum' or omit it", field="reduce")
-    if output_dtype is not None and output_dtype not in STORABLE_DTYPES:
-        raise InvalidRequest(f"output_dtype: {output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); use one of "
-                             f"{', '.join(STORABLE_DTYPES)}", field="output_dtype")
+    _ruled(rules.check_options, kind=kind, mode=mode, reduce=reduce, output_dtype=output_dtype)
     tensors = _convert_inputs(model, inputs)
-    of = _resolve_of(model, of)
-    wrt = _resolve_wrt(model, wrt)
+    described = {**_described(model), "inputs": {n: _spec(t) for n, t in tensors.items()}}
+    resolved = _ruled(rules.check_request, kind=kind, of=of, wrt=wrt, reduce=reduce, signature=model.signature,
+                      **described)
+    of, wrt = resolved.of, resolved.wrt
     out_dtype = model.output_specs[of].dtype.name
-    if out_dtype not in FLOAT_DTYPES:
-        raise InvalidRequest(f"of: {of!r} is {out_dtype} and has no derivative; choose a float output", field="of")
     request = _request_key(of, wrt, kind, reduce, tensors)
     trusted = (checked is not None and all(checked.get(k) == v for k, v in request.items())
                and mode in ("auto", checked.get("mode")))
@@ -314,7 +286,7 @@ def plan_key(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = Non
 
     from worker.engine.memory import device_kind
 
-    of, wrt = _resolve_of(model, of), _resolve_wrt(model, wrt)
+    of, wrt = _resolve(model, of, wrt)
     shapes = []
     for name, value in sorted(inputs.items()):
         shape = tuple(int(d) for d in value.shape)
@@ -341,22 +313,13 @@ def _check_request(model: LoadedModel, tensors: dict[str, Any], of: str, wrt: st
     """
     requested_mode = mode
     of_shape = _probe_shape(model, tensors, of)
-    is_var = wrt.startswith("variables/")
-    wrt_shape = tuple(int(d) for d in (model.find_variable(wrt[10:])[1].shape if is_var else tensors[wrt].shape))
+    wrt_shape = tuple(int(d) for d in _wrt_target(model, tensors, wrt).shape)
+    # The rules again, on the concrete shapes: an output of unknown rank, a batch axis of None.
+    _ruled(rules.check_kind, kind, of=of, of_shape=of_shape, wrt=wrt, wrt_shape=wrt_shape, reduce=reduce)
     if kind == "hessian":
-        if of_shape != () and reduce != "sum":
-            raise InvalidRequest(f"of: a Hessian needs a scalar output but {of!r} has shape {list(of_shape)}; "
-                                 f"pass reduce='sum' for the Hessian of its sum, or choose a scalar output", field="of")
         mode = "reverse" if mode == "auto" else mode
-    elif kind == "batch_jacobian":
-        if is_var:
-            raise InvalidRequest("wrt: batch_jacobian is per example and needs an input with a batch axis, "
-                                 "not a variable; use kind 'jacobian' for parameter Jacobians", field="wrt")
-        if not of_shape or not wrt_shape or of_shape[0] != wrt_shape[0]:
-            raise InvalidRequest(f"kind: batch_jacobian needs 'of' and 'wrt' with the same leading batch axis; got "
-                                 f"{list(of_shape)} and {list(wrt_shape)}; use kind 'jacobian'", field="kind")
-        if mode == "auto":
-            mode = "reverse" if math.prod(of_shape[1:]) <= math.prod(wrt_shape[1:]) else "forward"
+    elif kind == "batch_jacobian" and mode == "auto":
+        mode = "reverse" if math.prod(of_shape[1:]) <= math.prod(wrt_shape[1:]) else "forward"
     elif mode == "auto":
         mode = "reverse" if math.prod(of_shape) <= math.prod(wrt_shape) else "forward"
     if mode == "forward":  # TensorFlow's forward mode can be silently wrong: checked eagerly here

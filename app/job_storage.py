@@ -1,0 +1,60 @@
+"""A job's files in storage as the API sees them: its result array opened for reading, its folder removed."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from app.errors import JobNotFinished
+from contracts import storage
+from contracts.jobspec import JobStatus
+from contracts.jobstore import JobRecord
+from contracts.layout import RESULT_ARRAY, job_url
+
+log = logging.getLogger(__name__)
+
+
+def result_uri(record: JobRecord, *, use: str = "its result can be read") -> str:
+    """Where a succeeded job's result lies; ``JobNotFinished`` (409) until the job has succeeded.
+    ``use`` is what waits for success, for the message ("its preview can be drawn")."""
+    if record.status != JobStatus.succeeded:
+        detail = f" ({record.error.get('message')})" if record.error else ""
+        raise JobNotFinished(f"id: job {record.id!r} is {record.status.value}{detail}; {use} once its status is "
+                             "'succeeded'")
+    return str((record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], record.id)}/{RESULT_ARRAY}")
+
+
+def open_result(record: JobRecord, *, use: str = "its result can be read") -> Any:
+    """The result array of a succeeded job (``result_uri``), opened read-only (nothing read yet)."""
+    return open_result_at(record.id, result_uri(record, use=use))
+
+
+def open_result_at(job_id: str, uri: str) -> Any:
+    """The result array of job ``job_id`` at ``uri``, opened read-only.
+
+    Raises ``JobNotFinished`` (409) when it is missing: the service never deletes a stored result, so
+    it was removed from storage by someone, or this API reads other storage than the worker wrote
+    (``JACOBIAN_RESULTS_URL``, the S3 endpoint or credentials).
+    """
+    try:
+        return storage.open_array(uri, mode="r")
+    except (FileNotFoundError, KeyError) as exc:
+        raise JobNotFinished(
+            f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); stored results are never "
+            "deleted by the service, so it was removed from storage, or this API reads other storage than the "
+            "worker wrote (check JACOBIAN_RESULTS_URL and the S3 endpoint and credentials of both); restore the "
+            "result there or submit the job again") from None
+
+
+def remove_job_files(results_url: str | None, job_id: str, *, why: str) -> None:
+    """Remove the job's folder (its ``inputs.npz``, any partial result) once the job will never run.
+
+    Storage errors are logged, not raised: the job's fate is decided either way, the folder is only
+    clutter. ``why`` says what happened to the job, for the log ("canceled", "not queued").
+    """
+    if not results_url:
+        return
+    try:
+        storage.delete_prefix(job_url(results_url, job_id))
+    except OSError as exc:
+        log.warning("job %s: %s, but its files could not be removed: %s", job_id, why, exc)

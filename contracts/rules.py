@@ -1,0 +1,269 @@
+"""The request rulebook: inputs, ``of``, ``wrt`` and each kind's rules, on dtype names and shapes.
+
+One rulebook, two callers: the API applies it to the signature read from ``saved_model.pb`` and the
+request's declared tensors (``app.checks``), the engine to the loaded signature and the concrete
+tensors (``worker.engine.problem``). A shape is a tuple whose dims may be ``None`` (unknown), or
+``None`` for an unknown rank. Every rule raises ``RuleViolation`` with the field at fault and a
+message naming the fix; each side turns it into its own error type. No TensorFlow, no numpy.
+
+The rules (docs/ENGINE_API.md, "Request rules"):
+
+- ``kind``: ``jacobian``, ``batch_jacobian`` or ``hessian``.
+- Differentiable dtypes: ``float16``, ``bfloat16``, ``float32``, ``float64``, for ``of`` and ``wrt``.
+- ``of`` may be omitted when the signature has exactly one float output; ``wrt`` when it has exactly
+  one float input (a variable is never guessed).
+- ``wrt: "variables/<name>"``: the full name (``:0`` optional) or a suffix that ends exactly one
+  variable's name at a ``/`` (``kernel`` of the only layer that has one); the full name is returned.
+- Hessian: ``of`` must hold exactly one element by its declared shape (``()``, ``(1,)``, ``(1, 1)``,
+  ...; a ``None`` dim may be anything, so it does not qualify), or ``reduce='sum'`` (any shape).
+- Batch Jacobian: ``wrt`` an input (not a variable) and ``of`` both with a batch axis (axis 0),
+  of equal size where both sizes are known.
+
+What only a run can tell (an output of unknown rank, an output batch axis of ``None``) passes here
+on the signature and is decided by the same rule on the concrete shapes in the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from contracts.jobspec import DIFFERENTIABLE_DTYPES, STORABLE_DTYPES
+from contracts.savedmodel import VARIABLE_PREFIX, Shape, strip_variable_suffix
+
+KINDS = ("jacobian", "batch_jacobian", "hessian")
+MODES = ("auto", "reverse", "forward")
+REDUCES = ("sum",)
+MAX_LISTED = 10  # names listed in a message before "... and N more"
+
+
+class RuleViolation(ValueError):
+    """A request breaks a rule; ``field`` is the request field at fault, ``str(err)`` names the fix."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class Described(Protocol):
+    """What a rule reads of a tensor, input, output or variable: its dtype name and shape."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> Shape: ...
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A dtype name (``"float32"``) and a shape (``None`` dims unknown; ``None``: unknown rank)."""
+
+    dtype: str
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """``of`` and ``wrt`` resolved (``wrt``: an input name or ``variables/<full name>``) and their shapes."""
+
+    of: str
+    wrt: str
+    of_shape: Shape
+    wrt_shape: Shape
+
+    @property
+    def wrt_is_variable(self) -> bool:
+        return self.wrt.startswith(VARIABLE_PREFIX)
+
+
+def names(items: Iterable[str], *, limit: int = MAX_LISTED) -> str:
+    """``'a', 'b'`` sorted (at most ``limit``, then ``... and N more``), or ``(none)``."""
+    items = sorted(items)
+    text = ", ".join(repr(n) for n in items[:limit]) or "(none)"
+    return text + (f", ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def fmt_shape(shape: Shape) -> str:
+    """``[None, 8]``, or ``unknown rank``."""
+    return "unknown rank" if shape is None else "[" + ", ".join("None" if d is None else str(d) for d in shape) + "]"
+
+
+def is_differentiable(dtype: str) -> bool:
+    return dtype in DIFFERENTIABLE_DTYPES
+
+
+def check_options(*, kind: str, mode: str = "auto", reduce: str | None = None,
+                  output_dtype: str | None = None) -> None:
+    """``kind``, ``mode``, ``reduce`` and ``output_dtype`` are among the supported values."""
+    if kind not in KINDS:
+        raise RuleViolation(f"kind: {kind!r} is not supported; use one of: {names(KINDS)}", field="kind")
+    if mode not in MODES:
+        raise RuleViolation(f"mode: {mode!r} is not supported; use one of: {names(MODES)}", field="mode")
+    if reduce is not None and reduce not in REDUCES:
+        raise RuleViolation(f"reduce: {reduce!r} is not supported; use 'sum' or omit it", field="reduce")
+    if output_dtype is not None and output_dtype not in STORABLE_DTYPES:
+        raise RuleViolation(f"output_dtype: {output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); use one "
+                            f"of: {names(STORABLE_DTYPES)}", field="output_dtype")
+
+
+def fits(shape: Shape, declared: Shape) -> bool:
+    """``shape`` is one the ``declared`` shape admits (same rank; a ``None`` dim admits any size)."""
+    if declared is None:
+        return True
+    if shape is None:
+        return False
+    return len(shape) == len(declared) and all(s is None or s == d for d, s in zip(shape, declared))
+
+
+def check_inputs(given: Mapping[str, Described], declared: Mapping[str, Described], *, signature: str) -> None:
+    """Every declared input given, none unknown, each with the declared dtype, a shape that fits and at
+    least one element (the Jacobian of an empty input is empty)."""
+    for name in sorted(given):  # sorted: both sides report the same input first
+        if name not in declared:
+            raise RuleViolation(f"inputs.{name}: signature {signature!r} has no input {name!r}; its inputs are: "
+                                f"{names(declared)}", field=f"inputs.{name}")
+    for name, spec in sorted(declared.items()):
+        if name not in given:
+            raise RuleViolation(f"inputs.{name}: required by signature {signature!r} ({spec.dtype}, shape "
+                                f"{fmt_shape(spec.shape)}); add it", field=f"inputs.{name}")
+        t = given[name]
+        if t.dtype != spec.dtype:
+            raise RuleViolation(f"inputs.{name}.dtype: got {t.dtype}, the signature wants {spec.dtype}; "
+                                f"send {spec.dtype}", field=f"inputs.{name}")
+        if not fits(t.shape, spec.shape):
+            raise RuleViolation(f"inputs.{name}.shape: got {fmt_shape(t.shape)}, the signature wants "
+                                f"{fmt_shape(spec.shape)} (None: any size); reshape the input", field=f"inputs.{name}")
+        if t.shape is not None and math.prod(d or 0 for d in t.shape) == 0:
+            raise RuleViolation(f"inputs.{name}.shape: {fmt_shape(t.shape)} holds no elements, and the Jacobian of "
+                                "an empty input is empty; send at least one example", field=f"inputs.{name}")
+
+
+def resolve_of(of: str | None, outputs: Mapping[str, Described], *, signature: str) -> str:
+    """The output to differentiate: ``of``, or when omitted the signature's only float output."""
+    floats = [n for n, s in outputs.items() if is_differentiable(s.dtype)]
+    if of is None:
+        if len(floats) == 1:
+            return floats[0]
+        what = "no float output" if not floats else f"several float outputs ({names(floats)})"
+        raise RuleViolation(f"of: signature {signature!r} has {what}; name the output to differentiate with 'of'"
+                            + (f": {names(floats)}" if floats else ""), field="of")
+    if of not in outputs:
+        raise RuleViolation(f"of: {of!r} is not an output of signature {signature!r}; choose one of: "
+                            f"{names(floats)}", field="of")
+    dtype = outputs[of].dtype
+    if not is_differentiable(dtype):
+        raise RuleViolation(f"of: {of!r} is {dtype} and has no derivative; choose one of: {names(floats)}",
+                            field="of")
+    return of
+
+
+def find_variable(name: str, variables: Iterable[str]) -> str:
+    """The full name of the variable ``name`` names (``variables/`` prefix and ``:0`` optional): itself,
+    or the one variable whose name ends with ``/<name>``."""
+    key = strip_variable_suffix(name.removeprefix(VARIABLE_PREFIX))
+    known = list(variables)
+    if key in known:
+        return key
+    matches = [n for n in known if n.endswith("/" + key)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise RuleViolation(f"wrt: '{VARIABLE_PREFIX}{key}' is ambiguous, it ends {len(matches)} variable names; "
+                            f"name one in full: {names(VARIABLE_PREFIX + n for n in matches)}", field="wrt")
+    some = names(VARIABLE_PREFIX + n for n in known) if known else "(the model has no variables)"
+    raise RuleViolation(f"wrt: the model has no variable {key!r} (nor one ending '/{key}'); choose one of: {some}",
+                        field="wrt")
+
+
+def resolve_wrt(wrt: str | None, inputs: Mapping[str, Described], variables: Mapping[str, Described], *,
+                signature: str) -> str:
+    """What to differentiate with respect to: a float input, or ``variables/<full name>`` of a float
+    variable (see ``find_variable``); when omitted, the signature's only float input."""
+    floats = [n for n, s in inputs.items() if is_differentiable(s.dtype)]
+    some_variable = "a model variable as 'variables/<name>' (listed by GET /v1/models/signature)"
+    choices = f"{names(floats)}, or {some_variable}" if floats else some_variable
+    if wrt is None:
+        if len(floats) == 1:
+            return floats[0]
+        what = "no float input" if not floats else f"several float inputs ({names(floats)})"
+        raise RuleViolation(f"wrt: signature {signature!r} has {what}; name one with 'wrt', choose one of: "
+                            f"{choices}", field="wrt")
+    if wrt.startswith(VARIABLE_PREFIX):
+        name = find_variable(wrt, variables)
+        dtype = variables[name].dtype
+        if not is_differentiable(dtype):
+            float_vars = (VARIABLE_PREFIX + n for n, v in variables.items() if is_differentiable(v.dtype))
+            raise RuleViolation(f"wrt: variable {name!r} is {dtype} and cannot be differentiated; choose one of: "
+                                f"{names(float_vars)}", field="wrt")
+        return VARIABLE_PREFIX + name
+    if wrt not in inputs:
+        raise RuleViolation(f"wrt: {wrt!r} is neither an input of signature {signature!r} nor 'variables/<name>'; "
+                            f"choose one of: {choices}", field="wrt")
+    dtype = inputs[wrt].dtype
+    if not is_differentiable(dtype):
+        raise RuleViolation(f"wrt: {wrt!r} is {dtype} and cannot be differentiated; choose one of: {choices}",
+                            field="wrt")
+    return wrt
+
+
+def one_element(shape: Shape) -> bool | None:
+    """Whether a tensor of this shape holds exactly one element: ``()``, ``(1,)``, ``(1, 1)``: True; a
+    ``None`` dim (any size) or another size: False; unknown rank: None (cannot be told)."""
+    if shape is None:
+        return None
+    return all(d == 1 for d in shape)
+
+
+def check_hessian(of: str, of_shape: Shape, reduce: str | None, *,
+                  outputs: Mapping[str, Described] | None = None) -> None:
+    """A Hessian needs ``of`` of exactly one element (``one_element``), or ``reduce='sum'``."""
+    if reduce == "sum" or one_element(of_shape) is not False:
+        return
+    scalars = [n for n, s in (outputs or {}).items() if one_element(s.shape) and is_differentiable(s.dtype)]
+    alt = f", or choose an output of one element: {names(scalars)}" if scalars else ""
+    raise RuleViolation(f"of: a Hessian needs an output of exactly one element, but {of!r} has shape "
+                        f"{fmt_shape(of_shape)}; set reduce='sum' for the Hessian of sum({of}){alt}", field="of")
+
+
+def check_batch_axes(of: str, of_shape: Shape, wrt: str, wrt_shape: Shape) -> None:
+    """A batch Jacobian needs an input ``wrt`` and an ``of`` with a batch axis (axis 0) of the same size
+    (unknown sizes pass: the engine checks them again on the concrete shapes)."""
+    if wrt.startswith(VARIABLE_PREFIX):
+        raise RuleViolation("wrt: batch_jacobian needs an input with a batch axis, not a variable; use "
+                            "kind='jacobian' for a Jacobian with respect to a variable", field="wrt")
+    if wrt_shape is not None and len(wrt_shape) == 0:
+        raise RuleViolation(f"wrt: {wrt!r} is a scalar; batch_jacobian needs a batch axis (axis 0); "
+                            "use kind='jacobian'", field="wrt")
+    if of_shape is not None and len(of_shape) == 0:
+        raise RuleViolation(f"of: {of!r} is a scalar; batch_jacobian needs an output with a batch axis (axis 0); "
+                            "use kind='jacobian'", field="of")
+    if of_shape and wrt_shape and None not in (of_shape[0], wrt_shape[0]) and of_shape[0] != wrt_shape[0]:
+        raise RuleViolation(f"kind: batch_jacobian needs equal batch sizes (axis 0), but {of!r} has {of_shape[0]} "
+                            f"and {wrt!r} has {wrt_shape[0]}; use kind='jacobian'", field="kind")
+
+
+def check_kind(kind: str, *, of: str, of_shape: Shape, wrt: str, wrt_shape: Shape, reduce: str | None = None,
+               outputs: Mapping[str, Described] | None = None) -> None:
+    """The kind's own rules on the shapes of ``of`` and ``wrt`` (declared ones, or concrete ones)."""
+    check_options(kind=kind, reduce=reduce)
+    if kind == "hessian":
+        check_hessian(of, of_shape, reduce, outputs=outputs)
+    elif kind == "batch_jacobian":
+        check_batch_axes(of, of_shape, wrt, wrt_shape)
+
+
+def check_request(*, kind: str, of: str | None, wrt: str | None, reduce: str | None,
+                  inputs: Mapping[str, Described], outputs: Mapping[str, Described],
+                  variables: Mapping[str, Described], signature: str) -> Resolved:
+    """``of`` and ``wrt`` resolved and the kind's rules applied to ``outputs[of]``'s declared shape and
+    ``wrt``'s shape (``inputs``: the request's tensors, checked by ``check_inputs`` first)."""
+    of = resolve_of(of, outputs, signature=signature)
+    wrt = resolve_wrt(wrt, inputs, variables, signature=signature)
+    wrt_spec = variables[wrt[len(VARIABLE_PREFIX):]] if wrt.startswith(VARIABLE_PREFIX) else inputs[wrt]
+    resolved = Resolved(of=of, wrt=wrt, of_shape=outputs[of].shape, wrt_shape=wrt_spec.shape)
+    check_kind(kind, of=of, of_shape=resolved.of_shape, wrt=wrt, wrt_shape=resolved.wrt_shape, reduce=reduce,
+               outputs=outputs)
+    return resolved

@@ -1,0 +1,50 @@
+"""The one classification of an attempt's errors (``worker.runs.attempt.classify``): pure logic."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from rq.timeouts import JobTimeoutException
+
+from worker.engine.errors import InvalidRequest, MemoryBudgetTooSmall, Stopped
+from worker.inputs import InvalidInputs, ModelPathNotAllowed
+from worker.runs.attempt import JobTimeout, Outcome, classify, is_transient
+from worker.storage import ResultWriteError
+
+
+class Marked(Exception):
+    transient = True
+
+
+@pytest.mark.parametrize(("err", "with_retries", "without_retries"), [
+    (Stopped("canceled"), Outcome.STOPPED, Outcome.STOPPED),
+    (InvalidRequest("wrt: no input 'z'"), Outcome.INVALID, Outcome.INVALID),
+    (MemoryBudgetTooSmall("memory_budget_bytes: too small"), Outcome.INVALID, Outcome.INVALID),
+    (InvalidInputs("inputs_uri: missing"), Outcome.INVALID, Outcome.INVALID),
+    (ModelPathNotAllowed("model.path: outside"), Outcome.INVALID, Outcome.INVALID),
+    (JobTimeoutException("rq's death penalty"), Outcome.TIMEOUT, Outcome.TIMEOUT),
+    (JobTimeout("over the timeout"), Outcome.TIMEOUT, Outcome.TIMEOUT),
+    (ResultWriteError("storage: 5 attempts"), Outcome.RETRY, Outcome.EXHAUSTED),
+    (redis.exceptions.ConnectionError("gone"), Outcome.RETRY, Outcome.EXHAUSTED),
+    (ConnectionResetError("reset"), Outcome.RETRY, Outcome.EXHAUSTED),
+    (TimeoutError("socket timed out"), Outcome.RETRY, Outcome.EXHAUSTED),
+    (Marked("marked transient"), Outcome.RETRY, Outcome.EXHAUSTED),
+    (KeyError("a bug"), Outcome.BUG, Outcome.BUG),
+    (ZeroDivisionError(), Outcome.BUG, Outcome.BUG),
+])
+def test_every_error_has_one_outcome(err, with_retries, without_retries):
+    assert classify(err, retries_left=True) is with_retries
+    assert classify(err, retries_left=False) is without_retries
+
+
+def test_job_timeout_is_not_transient():
+    """More time is not a retry: ``JobTimeout`` is no ``TimeoutError`` (which connection troubles are)."""
+    assert not isinstance(JobTimeout("x"), TimeoutError)
+    assert not is_transient(JobTimeout("x"))
+    assert is_transient(TimeoutError("connection"))
+
+
+def test_a_transient_engine_error_is_retried():
+    err = InvalidRequest("flaky")
+    err.transient = True  # type: ignore[misc]
+    assert classify(err, retries_left=True) is Outcome.RETRY

@@ -1,0 +1,156 @@
+"""The engine-to-storage pipeline: the pending rows of a problem, computed chunk by chunk and streamed
+into the job's Zarr array, with progress and plan reported on the way (jobs, shards, ``jacobian compute``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from contracts import storage
+from contracts.layout import job_url
+from contracts.records import Progress
+from worker import metrics
+from worker.storage import ResultWriteError, ResultWriter
+
+if TYPE_CHECKING:  # the engine imports TensorFlow: only the functions that run it import it
+    from worker.engine import Plan
+    from worker.engine.memory import MemoryProbe
+    from worker.engine.problem import Problem
+
+log = logging.getLogger(__name__)
+
+
+def at_least(progress: Progress, rows_done: int) -> Progress:
+    """``progress`` with ``rows_done`` raised to ``rows_done`` (what an earlier attempt reported).
+
+    A resumed attempt restarts from the committed blocks, behind the rows the last one reported (handed
+    to the writer, not yet committed); progress keeps the larger count until the new attempt passes it.
+    """
+    total = progress.rows_total or 0
+    if progress.rows_done >= rows_done:
+        return progress
+    return Progress.of(min(rows_done, total), total, progress.rows_per_second or 0.0)
+
+
+@dataclass
+class ProgressMeter:
+    """Rows done out of ``rows_total``; the rate counts only rows computed in this run (rows/s)."""
+
+    rows_total: int
+    rows_done: int
+    started_s: float = field(default_factory=time.monotonic)
+    rows_this_run: int = 0
+
+    def add(self, n: int) -> None:
+        self.rows_done += n
+        self.rows_this_run += n
+
+    def snapshot(self) -> Progress:
+        elapsed_s = max(time.monotonic() - self.started_s, 1e-9)
+        rate = self.rows_this_run / elapsed_s if self.rows_this_run else 0.0
+        return Progress.of(self.rows_done, self.rows_total, rate)
+
+
+def iso_time(ts: float) -> str:
+    """``ts`` (seconds since the epoch) as ISO 8601 UTC with milliseconds, as the manifest stores times."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1000):03d}Z"
+
+
+def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, rows: tuple[int, int] | None = None,
+                       memory_budget_bytes: int | None = None, chunk_rows: int | None = None,
+                       on_plan: Callable[[dict[str, Any]], None] | None = None,
+                       on_progress: Callable[[Progress], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None,
+                       manifest_fields: dict[str, Any] | None = None,
+                       created_at: float | None = None, strategy: str | None = None,
+                       block_bytes: int | None = None, create: bool = True, plan: Plan | None = None,
+                       refine: str = "auto", on_learned: Callable[[Plan], None] | None = None,
+                       probe: MemoryProbe | None = None, try_xla: bool = True) -> dict[str, Any]:
+    """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/``.
+
+    Resumes from committed blocks; writes ``manifest.json`` last (not for a shard, ``rows`` given).
+    ``plan`` (``worker.engine.Plan``) is the strategy and what is known of it; ``on_learned`` receives
+    it updated by this run, to store. ``strategy`` pins the chunk strategy; ``refine`` is passed to
+    ``run_problem``; ``block_bytes`` is the storage block size (None: the layout's default);
+    ``create=False`` (a shard) writes into the existing array and never recreates it. Returns the
+    manifest. Raises ``EngineError`` (``Stopped`` on cancel), ``ResultWriteError``.
+    """
+    from worker.engine import run_problem
+
+    try:
+        writer = ResultWriter.for_problem(results_url, job_id, problem, rows=rows, create=create,
+                                          block_bytes=block_bytes)
+    except (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError):
+        raise
+    except OSError as err:
+        raise ResultWriteError(f"storage: cannot open the result at {job_url(results_url, job_id)}: {err}") from err
+    progress = ProgressMeter(rows_total=writer.rows_total, rows_done=writer.rows_committed)
+    if on_progress:
+        on_progress(progress.snapshot())
+    plan_now: dict[str, Any] = {}
+    chunk_clock = {"t": time.monotonic()}
+
+    def take_plan(new_plan: dict[str, Any]) -> None:
+        if progress.rows_this_run == 0:  # the rate counts compute, not loading and calibration
+            progress.started_s = time.monotonic()
+            chunk_clock["t"] = time.monotonic()
+        metrics.observe_plan(new_plan, dict(plan_now) if plan_now else None)
+        _log_plan(new_plan, changed=bool(plan_now))
+        plan_now.clear()
+        plan_now.update(new_plan)
+        if on_plan:
+            on_plan(dict(new_plan))
+
+    def take_chunk(row_start: int, chunk: np.ndarray) -> None:
+        seconds = time.monotonic() - chunk_clock["t"]
+        writer.write_rows(row_start, chunk)
+        progress.add(int(chunk.shape[0]))
+        metrics.observe_chunk(problem.kind, int(chunk.shape[0]), int(chunk.size) * writer.dtype.itemsize, seconds)
+        if on_progress:
+            on_progress(progress.snapshot())
+        chunk_clock["t"] = time.monotonic()
+
+    ranges = writer.pending_ranges()
+    if chunk_rows is not None:  # a forced chunk larger than the job would compute padding rows
+        chunk_rows = max(1, min(int(chunk_rows), writer.layout.rows_total))
+    if not ranges and rows is None and storage.exists(writer.manifest_url):
+        writer.close()  # finished before (e.g. a crash before the status update): keep that manifest
+        return dict(json.loads(storage.read_bytes(writer.manifest_url)))
+    try:
+        if ranges:
+            report = run_problem(problem, ranges=ranges, memory_budget_bytes=memory_budget_bytes,
+                                 chunk_rows=chunk_rows, on_plan=take_plan, on_chunk=take_chunk,
+                                 should_stop=should_stop, strategy=strategy, plan=plan, refine=refine,
+                                 probe=probe, try_xla=try_xla)
+            plan_now.update(report.plan or {})
+            plan_now.update({"rows_computed": report.rows_computed, "run_seconds": round(report.seconds, 3)})
+            if on_learned is not None:
+                on_learned(report.learned)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    fields = {"kind": problem.kind, "mode": problem.mode, "of": problem.of, "wrt": problem.wrt,
+              "model": {"path": problem.model.path, "signature": problem.model.signature},
+              "plan": plan_now, "created_at": iso_time(created_at or time.time()), "finished_at": iso_time(time.time())}
+    fields.update({k: v for k, v in (manifest_fields or {}).items() if v is not None})
+    manifest = {**writer.manifest_base(), **fields}
+    if rows is None:
+        writer.write_manifest(fields)
+    return manifest
+
+
+def _log_plan(plan: dict[str, Any], *, changed: bool) -> None:
+    """One line per plan: strategy, chunk rows, free bytes and bytes per row, as JSON fields too."""
+    fields = {"event": "plan_changed" if changed else "plan_chosen", "strategy": plan.get("strategy"),
+              "chunk_rows": plan.get("chunk_rows"), "free_bytes": plan.get("free_bytes_at_start"),
+              "bytes_per_row": plan.get("bytes_per_row"), "fixed_bytes": plan.get("fixed_bytes"),
+              "mode": plan.get("mode"), "oom_retries": plan.get("oom_retries")}
+    log.info("plan %s: strategy %s, %s rows per chunk, %s bytes free, %s bytes per row",
+             "changed" if changed else "chosen", fields["strategy"], fields["chunk_rows"], fields["free_bytes"],
+             fields["bytes_per_row"], extra=fields)

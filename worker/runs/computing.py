@@ -1,0 +1,61 @@
+"""What the job and its shards share: loading the problem with its plan, and computing rows of it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from worker.inputs import check_model_path, effective_budget, load_inputs
+from worker.pipeline import compute_to_storage
+from worker.runs.attempt import Attempt
+
+if TYPE_CHECKING:
+    from contracts.records import Progress
+    from worker.engine import Plan, PlanCache, TFMemoryProbe
+    from worker.engine.problem import Problem
+
+
+class ComputingAttempt(Attempt):
+    """An attempt that runs the engine: the job itself or one of its shards."""
+
+    _probe: TFMemoryProbe | None = None
+
+    def load_problem(self, plan: Plan | None = None) -> tuple[Problem, Plan]:
+        """The job's problem and plan: ``plan`` given (a shard's, made by its planner) is used as it
+        is; otherwise the plan cache's (Redis, then this worker's folder) or a default."""
+        from worker.engine.planning import prepare
+        from worker.model_cache import get_model
+
+        job = self.job
+        model_path = check_model_path(job.model.path, self.settings.model_roots)
+        inputs = load_inputs(job.inputs_uri, settings=self.settings)
+        model = get_model(model_path, job.model.signature)
+        return prepare(model, inputs, cache=self.plans, device=self.probe.device, of=job.of, wrt=job.wrt,
+                       kind=job.kind.value, mode=job.mode.value, reduce=job.reduce,
+                       check_independence=job.check_independence, output_dtype=job.output_dtype, plan=plan)
+
+    @property
+    def plans(self) -> PlanCache:
+        from worker.plan_store import worker_plan_cache
+
+        return worker_plan_cache(self.store.connection, self.settings.cache_dir)
+
+    @property
+    def probe(self) -> TFMemoryProbe:
+        from worker.engine import TFMemoryProbe
+
+        if self._probe is None:
+            self._probe = TFMemoryProbe()
+        return self._probe
+
+    def compute(self, problem: Problem, plan: Plan, *, rows: tuple[int, int] | None,
+                on_plan: Callable[[dict[str, Any]], None], on_progress: Callable[[Progress], None],
+                should_stop: Callable[[], bool], **options: Any) -> dict[str, Any]:
+        """``compute_to_storage`` of ``rows`` (None: all) with the job's options and this worker's settings;
+        ``options`` are passed on (``refine``, ``create``, ``block_bytes``, ``created_at``, ...)."""
+        job, settings = self.job, self.settings
+        options.setdefault("block_bytes", settings.block_bytes)
+        return compute_to_storage(
+            problem, results_url=job.results_url, job_id=job.id, rows=rows,
+            memory_budget_bytes=effective_budget(job.memory_budget_bytes, settings.memory_budget_bytes),
+            chunk_rows=job.chunk_rows, strategy=job.strategy, on_plan=on_plan, on_progress=on_progress,
+            should_stop=should_stop, plan=plan, probe=self.probe, try_xla=settings.try_xla, **options)

@@ -1,0 +1,113 @@
+"""The finalizer of a sharded job: the manifest and the terminal status once every shard has ended."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from contracts.jobspec import JobStatus, shard_job_id
+from contracts.jobstore import JobNotFound, JobRecord
+from contracts.records import Progress
+from worker.pipeline import iso_time
+from worker.runs.attempt import Attempt, remove_partial
+from worker.sharding import ShardPlan
+from worker.storage import ResultWriter
+
+log = logging.getLogger(__name__)
+
+
+class Finalizer(Attempt):
+    """The last rq job of a sharded job: once every shard has finished or failed, it writes the
+    manifest and marks the job succeeded if every storage block is committed; otherwise it marks the
+    job failed (naming the shard) and removes the partial result. It needs no model or TensorFlow."""
+
+    what = "finalizer"
+
+    def run(self) -> dict[str, Any]:
+        job, store = self.job, self.store
+        try:
+            record = store.get(job.id)
+        except JobNotFound:
+            self.skipped = True
+            return {"id": job.id, "status": "skipped"}
+        raw_plan = store.shard_plan(job.id)
+        split = ShardPlan.from_json(raw_plan) if raw_plan else None
+        if record.status == JobStatus.failed:
+            remove_partial(job.results_url, job.id)  # a shard failed the job (and counted it)
+            self.metric_status = "cleanup"
+            return {"id": job.id, "status": JobStatus.failed.value, "error": record.error}
+        if record.status.is_terminal:
+            self.skipped = True
+            return {"id": job.id, "status": record.status.value}
+        if record.cancel_requested:
+            return self.on_stopped()
+        try:
+            return self._finish(record, split)
+        except FileNotFoundError as err:
+            return self.on_failed({"type": "ResultMissing", "message": f"result: {err}; resubmit the job"},
+                                  delete=True)
+        except Exception as err:
+            return self.settle(err)
+
+    def _finish(self, record: JobRecord, split: ShardPlan | None) -> dict[str, Any]:
+        job, store = self.job, self.store
+        writer = ResultWriter.open_existing(job.results_url, job.id)
+        missing = writer.missing_blocks()
+        if missing:
+            writer.abort()
+            return self.on_failed(self._incomplete(split, missing, len(writer.blocks)), delete=True)
+        shards = store.shard_progress(job.id)
+        # The job's plan is the planner's (strategy, mode, shards); each shard's own run plan (chunk rows,
+        # memory) is listed beside it, in shard order: no shard's plan stands for the others.
+        plan = {**record.plan, "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
+        fields = {"kind": writer.attrs.get("kind"), "mode": writer.attrs.get("mode"), "of": writer.attrs.get("of"),
+                  "wrt": writer.attrs.get("wrt"), "model": {"path": job.model.path, "signature": job.model.signature},
+                  "plan": plan, "created_at": iso_time(record.created_at or time.time()),
+                  "finished_at": iso_time(time.time())}
+        writer.write_manifest(fields)
+        manifest = {**writer.manifest_base(), **fields}
+        result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
+        now = time.time()
+        rows_total = split.rows_total if split and split.rows_total else writer.layout.rows_total
+        computed = sum(p.get("rows_computed", 0) for p in shards.values())
+        wall_s = max(now - (record.started_at or now), 1e-9)
+        if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, finished_at=now, plan=plan,
+                                progress=Progress.of(rows_total, rows_total, computed / wall_s)):
+            return self._ended_meanwhile()
+        log.info("job %s succeeded (%s shards): %s", job.id, split.shards if split else "?", result["uri"])
+        return {"id": job.id, "status": JobStatus.succeeded.value, "result": result}
+
+    def _incomplete(self, split: ShardPlan | None, missing: list[Any], blocks: int) -> dict[str, str]:
+        """The error of a job whose shards left blocks uncommitted, naming those shards and why."""
+        from rq.job import Job
+        from rq.serializers import JSONSerializer
+
+        parts = []
+        for i, (start, stop) in enumerate(split.ranges if split else []):
+            lost = [b for b in missing if start <= b.row_start < stop]
+            if not lost:
+                continue
+            why = "unknown"
+            try:
+                rq_job = Job.fetch(shard_job_id(self.job.id, i), connection=self.store.connection,
+                                   serializer=getattr(self.rq_job, "serializer", None) or JSONSerializer)
+                status = rq_job.get_status(refresh=True)
+                why = getattr(status, "value", None) or str(status or "unknown")
+                result = rq_job.latest_result()
+                if result is not None and result.exc_string:
+                    why = f"{why}: {result.exc_string.strip().splitlines()[-1]}"
+            except Exception as err:  # noqa: BLE001 - the shard's rq job may have expired
+                why = f"its rq job is gone ({type(err).__name__})"
+            parts.append(f"shard {i + 1} of {split.shards if split else '?'} (rows {start}:{stop}) did not finish "
+                         f"({len(lost)} blocks missing; rq: {why})")
+        message = "; ".join(parts) or f"{len(missing)} of {blocks} storage blocks are not committed"
+        return {"type": "ShardFailed", "message": f"{message}; the result is incomplete, resubmit the job"}
+
+    # -- outcomes ---------------------------------------------------------------------------------
+
+    def on_stopped(self) -> dict[str, Any]:
+        return self.cancel_job()
+
+    def on_failed(self, error: dict[str, str], *, delete: bool) -> dict[str, Any]:
+        return self.fail_job(error, delete=True)  # a sharded job's blocks are no use alone
