@@ -17,8 +17,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 _STARTED = time.perf_counter()
@@ -53,15 +54,15 @@ class _ProgressPrinter:
 
 def cmd_compute(args: argparse.Namespace) -> int:
     """The engine in-process, no Redis: Zarr result and manifest under ``{out}/{job_id}/``."""
+    from contracts.settings import get_settings
     from worker.main import configure_devices
 
-    configure_devices()
+    configure_devices(get_settings())
     from contracts import storage
-    from contracts.settings import get_settings
     from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
     from worker.engine.planning import prepare
-    from worker.model_cache import get_model
     from worker.inputs import InvalidInputs, effective_budget, load_inputs
+    from worker.model_cache import get_model
     from worker.pipeline import compute_to_storage
 
     job_id = args.job_id or uuid.uuid4().hex

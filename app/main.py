@@ -55,8 +55,8 @@ class JobLogMiddleware:
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the Redis pool (connections are made lazily) and bind the queue-depth gauge; close on exit."""
-    configure_logging("api")
     settings = get_settings()
+    configure_logging("api", fmt=settings.log_format, level=settings.log_level)
     pool = ConnectionPool.from_url(settings.redis_url, socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
                                    socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=30)
     app.state.redis = Redis(connection_pool=pool)

@@ -57,7 +57,7 @@ class QueueDepthCollector(Collector):
             for name in self.queue_names:
                 try:
                     depth = self.connection.llen(f"{Queue.redis_queue_namespace_prefix}{name}")
-                except Exception as exc:  # a scrape must not fail because Redis is down
+                except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is down
                     log.warning("queue depth unavailable: %s", exc)
                     continue
                 family.add_metric([name], float(depth))
@@ -117,7 +117,7 @@ def _route_template(scope: dict[str, Any]) -> str:
     for route in getattr(scope.get("app"), "routes", ()):
         try:
             match, _ = route.matches(scope)
-        except Exception:  # a route that cannot judge this scope is not it
+        except Exception:  # noqa: BLE001 - a route that cannot judge this scope is not it
             continue
         if match == Match.FULL and isinstance(getattr(route, "path", None), str):
             return str(route.path)

@@ -140,7 +140,8 @@ class Phase:
                "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)}}
         if self.late:
             late = sorted(self.late)
-            out["late_ms"] = {"p50": round(1000 * late[len(late) // 2], 2), "p99": round(1000 * late[int(0.99 * len(late))], 2),
+            out["late_ms"] = {"p50": round(1000 * late[len(late) // 2], 2),
+                              "p99": round(1000 * late[int(0.99 * len(late))], 2),
                               "max": round(1000 * late[-1], 2)}
         if self.errors:
             out["first_errors"] = self.errors
@@ -344,7 +345,8 @@ def agreement(ids: list[str], final: dict[str, str], api: tuple[dict[str, int], 
     succeeded = {i for i in ids if final[i] == "succeeded"}
     if storage["ids"] != succeeded:
         problems.append(f"storage has {storage['manifests']} manifests, {len(succeeded)} jobs succeeded "
-                        f"(extra {sorted(storage['ids'] - succeeded)[:5]}, missing {sorted(succeeded - storage['ids'])[:5]})")
+                        f"(extra {sorted(storage['ids'] - succeeded)[:5]}, "
+                        f"missing {sorted(succeeded - storage['ids'])[:5]})")
     if storage["bad"]:
         problems.append(f"manifests not naming their job or not over all rows: {storage['bad'][:5]}")
     if storage["folders_without_manifest"]:
@@ -424,7 +426,8 @@ def run_load(work: Path, *, jobs: int = 200, rate: float = 500.0, duration_s: fl
         polled, seen = asyncio.run(poll(host, stack.port, ids, rate=rate, duration_s=duration_s,
                                         connections=connections, headers=headers)) if ids else (Phase("poll"), {})
         during = Counter(seen.values())
-        print(f"poll: {polled.sent} requests in {polled.seconds:.1f} s ({polled.sent / max(polled.seconds, 1e-9):.0f}/s), "
+        rate = polled.sent / max(polled.seconds, 1e-9)
+        print(f"poll: {polled.sent} requests in {polled.seconds:.1f} s ({rate:.0f}/s), "
               f"outcomes {dict(polled.outcomes)}; last status seen {dict(during)}", flush=True)
         stack.check_alive()
         final = asyncio.run(settle(host, stack.port, ids, timeout_s=settle_s, headers=headers))

@@ -65,7 +65,8 @@ class Stack:
             except Exception:  # noqa: BLE001 - not up yet
                 pass
             time.sleep(0.05)
-        raise TimeoutError(f"{what} not ready after {timeout_s} s\n" + "\n".join(p.report() for p in self.procs.values()))
+        reports = "\n".join(p.report() for p in self.procs.values())
+        raise TimeoutError(f"{what} not ready after {timeout_s} s\n" + reports)
 
     def start_worker(self, name: str) -> None:
         import redis

@@ -66,8 +66,8 @@ def compute_like_cli(model_path: str, input_npz: str, out: str,
     from contracts import storage
     from contracts.settings import get_settings
     from worker.engine.planning import prepare
-    from worker.model_cache import get_model
     from worker.inputs import load_inputs
+    from worker.model_cache import get_model
     from worker.pipeline import compute_to_storage
 
     t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def wait_for(check: Any, timeout_s: float, what: str) -> None:
         try:
             if check():
                 return
-        except Exception:  # not up yet
+        except Exception:  # noqa: BLE001 - not up yet
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{what} not ready after {timeout_s:g} s")
@@ -229,9 +229,10 @@ def main() -> None:
     if args.no_xla:
         os.environ["JACOBIAN_TRY_XLA"] = "0"  # read by the engine here and inherited by the worker
 
+    from contracts.settings import get_settings
     from worker.main import configure_devices
 
-    configure_devices()
+    configure_devices(get_settings())
     from tests import models
 
     work = Path(tempfile.mkdtemp(prefix="bench-service-"))

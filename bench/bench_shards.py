@@ -61,7 +61,8 @@ QUEUE = "jacobian-bench-shards"
 WORKER_CODE = ("import tensorflow, sys; from redis import Redis; from rq import Queue; "
                "from rq.serializers import JSONSerializer; from worker.main import JacobianWorker, configure_devices; "
                "from contracts.logs import configure_logging; from contracts.settings import get_settings; "
-               "configure_logging('worker'); configure_devices(); s = get_settings(); c = Redis.from_url(s.redis_url); "
+               "s = get_settings(); configure_logging('worker', fmt=s.log_format, level=s.log_level); "
+               "configure_devices(s); c = Redis.from_url(s.redis_url); "
                "JacobianWorker([Queue(s.queue_name, connection=c, serializer=JSONSerializer)], connection=c, "
                "name=sys.argv[1]).work(logging_level='WARNING')")
 
@@ -273,7 +274,8 @@ def main() -> None:
                     times.setdefault((workers, run), []).append(seconds)
                     uris[workers] = info["uri"]
                     row = {"repeat": rep + 1, "workers": workers, "run": run, "shards": info["plan"].get("shards"),
-                           "mode": info["plan"].get("mode"), "strategy": info["plan"].get("strategy"), "seconds": round(seconds, 2),
+                           "mode": info["plan"].get("mode"), "strategy": info["plan"].get("strategy"),
+                           "seconds": round(seconds, 2),
                            "cpu_share": round(info["cpu_share"], 2), "rq_jobs": info["parts"]}
                     print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                     rows.append(row)

@@ -7,7 +7,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Plans a benchmark's processes learn stay in a folder of its own run (tests.procs.base_env passes it on),

@@ -77,7 +77,7 @@ class TensorIn(BaseModel):
     data: Any
 
     @model_validator(mode="after")
-    def _check(self) -> "TensorIn":
+    def _check(self) -> TensorIn:
         if len(self.shape) > MAX_RANK:
             raise ValueError(f"shape: {len(self.shape)} dimensions, more than {MAX_RANK}; reshape the input")
         if any(d < 0 for d in self.shape):
@@ -105,7 +105,7 @@ class JobOptions(BaseModel):
                                    "at most the job's rows); default: planned from free memory")
 
     @model_validator(mode="after")
-    def _check(self) -> "JobOptions":
+    def _check(self) -> JobOptions:
         if self.reduce not in (None, "sum"):
             raise ValueError(f"reduce: {self.reduce!r} is not supported; use 'sum' or omit it")
         if self.output_dtype is not None and self.output_dtype not in STORABLE_DTYPES:
@@ -139,7 +139,7 @@ class JobCreate(RequestedOptions):
         return data
 
     @model_validator(mode="after")
-    def _one_source(self) -> "JobCreate":
+    def _one_source(self) -> JobCreate:
         if (self.inputs is None) == (self.inputs_uri is None):
             raise ValueError("inputs: give exactly one of 'inputs' (inline tensors) or 'inputs_uri' (an .npz)")
         return self

@@ -109,7 +109,7 @@ def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]
     rows_total = int(plan.get("rows_total") or sum(b - a for a, b in ranges))
     done = 0
     rate = 0.0
-    for index, snap in shards.items():
+    for snap in shards.values():
         shard_done = int(snap.get("rows_done") or 0)
         done += shard_done
         if shard_done < int(snap.get("rows_total") or 0):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import os
 import re
 import sys
 import threading
@@ -140,9 +139,9 @@ class TextFormatter(logging.Formatter):
         return f"{text} [job {job_id}]" if job_id else text
 
 
-def make_formatter(fmt: str | None = None, **static: Any) -> logging.Formatter:
-    """``JsonFormatter`` or ``TextFormatter`` by ``fmt`` (default ``$JACOBIAN_LOG_FORMAT``, else json)."""
-    fmt = (fmt or os.environ.get("JACOBIAN_LOG_FORMAT") or "json").strip().lower()
+def make_formatter(fmt: str = "json", **static: Any) -> logging.Formatter:
+    """``JsonFormatter`` or ``TextFormatter`` by ``fmt`` (``Settings.log_format``)."""
+    fmt = fmt.strip().lower()
     if fmt == "json":
         return JsonFormatter(static=static or None)
     if fmt == "text":
@@ -161,18 +160,19 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().emit(record)
 
 
-def configure_logging(service: str | None = None, *, fmt: str | None = None, level: str | int | None = None,
+def configure_logging(service: str | None = None, *, fmt: str = "json", level: str | int = "INFO",
                       stream: Any = None) -> logging.Handler | None:
     """Install (or replace) this project's handler on the root logger; idempotent.
 
     Plain ``StreamHandler``s already on the root (``logging.basicConfig``) are replaced so lines are
     not written twice; other handlers (pytest's, files) stay. uvicorn's and rq's own handlers get
     the same formatter and filter. ``service`` becomes a ``service`` field on JSON lines.
-    Returns the installed handler; None, changing nothing, when the format is ``none``.
+    ``fmt`` and ``level`` are ``Settings.log_format`` and ``log_level`` (``JACOBIAN_LOG_FORMAT``,
+    ``JACOBIAN_LOG_LEVEL``). Returns the installed handler; None, changing nothing, when the format is
+    ``none``.
     """
-    if (fmt or os.environ.get("JACOBIAN_LOG_FORMAT") or "").strip().lower() == "none":
+    if fmt.strip().lower() == "none":
         return None
-    level = level or os.environ.get("JACOBIAN_LOG_LEVEL") or "INFO"
     formatter = make_formatter(fmt, **({"service": service} if service else {}))
     root = logging.getLogger()
     for old in list(root.handlers):

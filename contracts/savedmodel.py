@@ -15,10 +15,11 @@ them as ``wrt: "variables/d1/kernel"``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 SAVED_MODEL_FILE = "saved_model.pb"
 VARIABLE_PREFIX = "variables/"

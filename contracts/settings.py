@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-from typing import Annotated
 
 _DEFAULT_HOME = Path.cwd() / "var"
 
@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     cache_dir: str | None = Field(None, description="folder for plans (default ~/.cache/jacobian); workers "
                                   "share plans through Redis and keep them here too")
     api_url: str = "http://127.0.0.1:8000"
+    log_format: str = Field("json", description="json (one object a line), text, or none (logging left alone)")
+    log_level: str = Field("INFO", description="the root logger's level")
+    malloc_arenas: int = Field(2, ge=0, description="glibc malloc arenas of a worker (0: glibc's default)")
 
     @field_validator("model_roots", "api_keys", mode="before")
     @classmethod

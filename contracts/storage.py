@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
+
+from contracts.files import write_atomically
 
 if TYPE_CHECKING:
     import zarr
@@ -137,16 +138,7 @@ class LocalStorage:
         return str(_local_path(url))
 
     def write_bytes(self, url: str, data: bytes) -> None:
-        path = _local_path(url)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(_local_path(url), data)
 
     def read_bytes(self, url: str) -> bytes:
         return _local_path(url).read_bytes()

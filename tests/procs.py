@@ -41,7 +41,7 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def stop_all(procs: "list[subprocess.Popen]", timeout_s: float = 20.0) -> None:
+def stop_all(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
     """SIGTERM to every process still running, then wait for each; SIGKILL after ``timeout_s``."""
     for p in procs:
         if p.poll() is None:

@@ -17,7 +17,7 @@ from contracts.jobspec import FINALIZE_JOB_TASK, RUN_JOB_TASK, JobStatus
 from contracts.jobstore import JobStore
 from contracts.logs import configure_logging, job_context, start_thread_in_context
 from contracts.records import ErrorInfo
-from contracts.settings import get_settings
+from contracts.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class JacobianWorker(SimpleWorker):
         while not stop.wait(self.job_monitoring_interval):
             try:
                 self.maintain_heartbeats(job, execution)
-            except Exception as err:  # a missed beat is retried next interval
+            except Exception as err:  # noqa: BLE001 - a missed beat is retried next interval
                 log.warning("worker %s: heartbeat failed: %s", self.name, err)
 
 
@@ -159,8 +159,9 @@ def record_abandoned(store: JobStore, task: str | None, spec: dict[str, Any], *,
     return False
 
 
-def configure_devices() -> None:
-    """Pin one GPU (``JACOBIAN_GPU``, an index) and turn on memory growth; call before TF starts.
+def configure_devices(settings: Settings) -> None:
+    """Pin one GPU (``settings.gpu``, an index), cap malloc arenas (``settings.malloc_arenas``) and turn
+    on memory growth; call before TF starts.
 
     Sets ``CUDA_VISIBLE_DEVICES`` when TensorFlow is not imported yet, else uses
     ``tf.config.set_visible_devices``; errors from an initialised runtime are logged, not raised.
@@ -169,8 +170,8 @@ def configure_devices() -> None:
 
     from worker.engine.memory import limit_malloc_arenas
 
-    limit_malloc_arenas()
-    gpu = os.environ.get("JACOBIAN_GPU")
+    limit_malloc_arenas(settings.malloc_arenas)
+    gpu = settings.gpu
     os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if gpu is not None and "tensorflow" not in sys.modules:
@@ -191,8 +192,8 @@ def configure_devices() -> None:
         log.warning("JACOBIAN_GPU=%s could not be applied: %s", gpu, err)
 
 
-def worker_name() -> str:
-    gpu = os.environ.get("JACOBIAN_GPU")
+def worker_name(settings: Settings) -> str:
+    gpu = settings.gpu
     return f"{socket.gethostname()}.{os.getpid()}" + (f".gpu{gpu}" if gpu is not None else "")
 
 
@@ -219,9 +220,9 @@ def run_worker(burst: bool = False) -> bool:
 
     import redis
 
-    configure_logging("worker")
-    configure_devices()
     settings = get_settings()
+    configure_logging("worker", fmt=settings.log_format, level=settings.log_level)
+    configure_devices(settings)
     if settings.worker_metrics_port is not None:
         from worker.metrics import start_metrics_server
 
@@ -230,7 +231,7 @@ def run_worker(burst: bool = False) -> bool:
     queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
     worked, attempt, delay_s = False, 0, 1.0
     while True:
-        name = worker_name() + (f".r{attempt}" if attempt else "")
+        name = worker_name(settings) + (f".r{attempt}" if attempt else "")
         worker = JacobianWorker([queue], connection=connection, name=name)
         log.info("worker %s on %s, queue %r, results %s", worker.name, settings.redis_url, settings.queue_name,
                  settings.results_url)

@@ -30,7 +30,8 @@ GCCollector(registry=REGISTRY)
 
 KINDS = ("jacobian", "batch_jacobian", "hessian")
 FINISHED_STATUSES = ("succeeded", "failed", "canceled")
-_SECONDS_LONG = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
+_SECONDS_LONG = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200,
+                 86400)
 _SECONDS_CHUNK = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ROWS = tuple(float(2 ** i) for i in range(0, 21, 2))  # 1, 4, 16, ... 1 048 576 rows per chunk
 
@@ -124,9 +125,9 @@ def queue_wait_seconds(rq_job: Any) -> float | None:
         return None
     started = getattr(rq_job, "started_at", None)
     if not isinstance(started, dt.datetime):
-        started = dt.datetime.now(dt.timezone.utc)
+        started = dt.datetime.now(dt.UTC)
     if enqueued.tzinfo is None:
-        enqueued = enqueued.replace(tzinfo=dt.timezone.utc)
+        enqueued = enqueued.replace(tzinfo=dt.UTC)
     if started.tzinfo is None:
-        started = started.replace(tzinfo=dt.timezone.utc)
+        started = started.replace(tzinfo=dt.UTC)
     return max((started - enqueued).total_seconds(), 0.0)

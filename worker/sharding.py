@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
 from contracts.jobspec import QueuedJob, finalizer_job_id, shard_job_id
@@ -115,7 +116,7 @@ def live_workers(connection: Any, queue: Any, *, recent_s: float | None = None,
     gap between a live worker's heartbeats, ``settings.worker_heartbeat_s`` while busy and
     ``worker_maintenance_s`` while idle). A killed worker's key outlives it by a minute or more;
     its ``last_heartbeat`` stops. Heartbeats carry the worker's clock: keep the machines' clocks in sync."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from rq import worker_registration
     from rq.utils import utcparse
@@ -130,7 +131,7 @@ def live_workers(connection: Any, queue: Any, *, recent_s: float | None = None,
         for key in keys:
             pipe.hget(key, "last_heartbeat")
         beats = pipe.execute()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     alive = 0
     for beat in beats:
         try:

@@ -373,7 +373,7 @@ class ResultWriter:
             block, data = item
             try:
                 self._write_block(block, data)
-            except BaseException as err:  # surfaced by write_rows/close
+            except BaseException as err:  # noqa: BLE001 - surfaced by write_rows/close
                 self._error = err
                 return
 

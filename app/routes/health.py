@@ -47,7 +47,7 @@ async def _check(name: str, fn: Any, *args: Any) -> str:
     except TimeoutError:
         log.warning("readyz: %s timed out after %g s", name, READY_TIMEOUT_S)
         return f"timed out after {READY_TIMEOUT_S:g} s"
-    except Exception as exc:  # any failure means not ready; the log says what exactly
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready; the log says what exactly
         log.warning("readyz: %s failed: %s: %s", name, type(exc).__name__, exc)
         return f"unreachable ({type(exc).__name__})"
     return "ok"

@@ -29,7 +29,8 @@ HEX_ID = re.compile(r"^[0-9a-f]{32}$")
 
 class Env:
     def __init__(self, stack: Stack, local: Api, s3: Api, idle: Api, bucket: str, endpoint: str) -> None:
-        self.stack, self.local, self.s3, self.idle, self.bucket, self.endpoint = stack, local, s3, idle, bucket, endpoint
+        self.stack, self.local, self.s3, self.idle = stack, local, s3, idle
+        self.bucket, self.endpoint = bucket, endpoint
 
 
 @pytest.fixture(scope="module")

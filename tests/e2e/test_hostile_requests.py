@@ -20,9 +20,30 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.e2e.hostile import (BOMBS, HUGE_RESULT_BOMB, HUGE_SHAPE_BOMB, MIB, UNICODE_BOMB, VOID_BOMB, WRONG_SHAPE_BOMB,
-                               Stack, bomb, deep_data, get, json_data, json_post, many_members, mlp, npz_bytes,
-                               npz_post, post, raw_upload, requests_counted, token, uri_post)
+from tests.e2e.hostile import (
+    BOMBS,
+    HUGE_RESULT_BOMB,
+    HUGE_SHAPE_BOMB,
+    MIB,
+    UNICODE_BOMB,
+    VOID_BOMB,
+    WRONG_SHAPE_BOMB,
+    Stack,
+    bomb,
+    deep_data,
+    get,
+    json_data,
+    json_post,
+    many_members,
+    mlp,
+    npz_bytes,
+    npz_post,
+    post,
+    raw_upload,
+    requests_counted,
+    token,
+    uri_post,
+)
 
 pytestmark = pytest.mark.e2e
 

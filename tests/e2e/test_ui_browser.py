@@ -76,7 +76,7 @@ class Browser:
 
 def job_row_status(dom: str, job_id: str) -> str | None:
     """``data-status`` of the job's row in the job table of the dumped DOM (None: not listed)."""
-    m = re.search(r'<tr\b[^>]*\bdata-job-id="%s"[^>]*>' % re.escape(job_id), dom)
+    m = re.search(r'<tr\b[^>]*\bdata-job-id="' + re.escape(job_id) + r'"[^>]*>', dom)
     if not m:
         return None
     status = re.search(r'\bdata-status="([a-z]+)"', m.group(0))
@@ -84,7 +84,7 @@ def job_row_status(dom: str, job_id: str) -> str | None:
 
 
 def job_row(dom: str, job_id: str) -> str:
-    m = re.search(r'<tr\b[^>]*\bdata-job-id="%s"[^>]*>.*?</tr>' % re.escape(job_id), dom, re.DOTALL)
+    m = re.search(r'<tr\b[^>]*\bdata-job-id="' + re.escape(job_id) + r'"[^>]*>.*?</tr>', dom, re.DOTALL)
     assert m, f"job {job_id} not in the page"
     return html.unescape(re.sub(r"<[^>]+>", " ", m.group(0)))
 

@@ -170,10 +170,10 @@ def test_loop_reading_a_variable_is_differentiated(model_dir, strategy):
 
 def test_every_strategy_failing_gives_one_message_naming_the_field_and_the_fix(loaded):
     from worker.engine import build_problem
-    from worker.engine.runner import _fail_all
+    from worker.engine.trial import fail_all
 
     problem = build_problem(loaded("mlp"), {"x": rand((2, 8))})
-    err = _fail_all(problem, {"vectorized": "ValueError: variable without handle data",
+    err = fail_all(problem, {"vectorized": "ValueError: variable without handle data",
                               "eager": "ValueError: variable without handle data"})
     message = str(err)
     assert err.field == "wrt" and message.startswith("wrt: TensorFlow cannot differentiate 'y'")

@@ -122,9 +122,9 @@ def test_a_trial_runs_when_earlier_jobs_of_the_plan_pay_for_it(wide):
 def test_the_function_at_the_production_size_is_checked_against_eager_rows(loaded, monkeypatch):
     """A strategy right at small chunks but wrong at 16 rows and more: the check at the production
     size catches it, the job falls back and its rows are right."""
-    import worker.engine.runner as runner
+    import worker.engine.chunk_run as chunk_run
 
-    real = runner.chunk_function
+    real = chunk_run.chunk_function
 
     def wrong_when_large(problem, label):
         fn = real(problem, label)
@@ -132,7 +132,7 @@ def test_the_function_at_the_production_size_is_checked_against_eager_rows(loade
             return fn
         return lambda start, k: fn(start, k) * (1.5 if k >= 16 else 1.0)
 
-    monkeypatch.setattr(runner, "chunk_function", wrong_when_large)
+    monkeypatch.setattr(chunk_run, "chunk_function", wrong_when_large)
     model = loaded("cnn")
     inputs = {"image": rand((4, 8, 8, 3))}   # 20 output rows
     problem = build_problem(model, inputs)
@@ -149,12 +149,12 @@ def test_a_size_checked_before_runs_without_eager_code(loaded, monkeypatch):
     inputs = {"x": rand((3, 8))}
     first = run_problem(build_problem(model, inputs), chunk_rows=4)
     assert 4 in first.learned.current.verified_rows
-    import worker.engine.runner as runner
+    import worker.engine.chunk_run as chunk_run
 
     def no_eager(self, row):
         raise AssertionError("an eager reference row was computed for a size checked before")
 
-    monkeypatch.setattr(runner._Run, "eager_row", no_eager)
+    monkeypatch.setattr(chunk_run.ChunkRun, "eager_row", no_eager)
     run_problem(build_problem(model, inputs), plan=first.learned, chunk_rows=4)
 
 
@@ -162,7 +162,8 @@ def test_a_job_runs_the_strategy_that_finishes_it_first_counting_compiles(loaded
     """A plan whose fastest strategy is costly to compile: a short job in a process that has not
     compiled it runs the other; a long one compiles it; the plan keeps its steady-state choice."""
     from worker.engine import Plan, StrategyRecord
-    from worker.engine.runner import _strategy_for_job, applicable_labels
+    from worker.engine.runner import applicable_labels
+    from worker.engine.trial import strategy_for_job
 
     model = loaded("cnn")
     problem = build_problem(model, {"image": rand((3, 8, 8, 3))})
@@ -171,7 +172,7 @@ def test_a_job_runs_the_strategy_that_finishes_it_first_counting_compiles(loaded
         "vectorized": StrategyRecord(status="ok", verified=True, compile_s=100.0, rates={16: 200.0}),
         "tiled": StrategyRecord(status="ok", verified=True, compile_s=1.0, rates={16: 100.0})})
     model.compiled._fns.clear()  # nothing compiled in this process
-    assert _strategy_for_job(problem, plan, applicable, rows=1000) == "tiled"          # 11 s vs 105 s
-    assert _strategy_for_job(problem, plan, applicable, rows=1_000_000) == "vectorized"  # 10001 s vs 5100 s
+    assert strategy_for_job(problem, plan, applicable, rows=1000) == "tiled"          # 11 s vs 105 s
+    assert strategy_for_job(problem, plan, applicable, rows=1_000_000) == "vectorized"  # 10001 s vs 5100 s
     report = run_problem(problem, plan=plan)   # 15 rows: tiled runs, the plan still says vectorized
     assert report.plan["strategy"] == "tiled" and report.learned.strategy == "vectorized"

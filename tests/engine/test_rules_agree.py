@@ -194,7 +194,8 @@ CASES = [
 
 
 def body(model: str, inputs: dict[str, np.ndarray], options: dict) -> bytes:
-    tensors = {n: {"shape": list(a.shape), "dtype": a.dtype.name, "data": a.ravel().tolist()} for n, a in inputs.items()}
+    tensors = {n: {"shape": list(a.shape), "dtype": a.dtype.name, "data": a.ravel().tolist()}
+               for n, a in inputs.items()}
     return json.dumps({"model": {"path": model}, "inputs": tensors, **options}).encode()
 
 

@@ -224,7 +224,7 @@ def test_sharded_results_equal_unsharded_bitwise_with_two_workers(pool):
                                                                        "cnn3": 3}
     store = pool.store()
     workers_seen = set()
-    for name, rec in recs.items():
+    for rec in recs.values():
         n = rec.plan["shards"]
         plan = store.shard_plan(rec.id)
         assert plan["rows_total"] == rec.progress["rows_total"] == rec.progress["rows_done"]

@@ -9,8 +9,14 @@ import threading
 
 import pytest
 
-from contracts.logs import (JobContextFilter, JsonFormatter, configure_logging, current_job_id, job_context,
-                            start_thread_in_context)
+from contracts.logs import (
+    JobContextFilter,
+    JsonFormatter,
+    configure_logging,
+    current_job_id,
+    job_context,
+    start_thread_in_context,
+)
 
 
 @pytest.fixture
@@ -115,9 +121,8 @@ def test_configure_logging_is_idempotent_and_replaces_basic_config(monkeypatch):
     buf = io.StringIO()
     try:
         logging.basicConfig(level=logging.INFO, force=True)  # what `jacobian worker` did before
-        monkeypatch.setenv("JACOBIAN_LOG_FORMAT", "json")
-        configure_logging("worker", stream=buf)
-        configure_logging("worker", stream=buf)
+        configure_logging("worker", fmt="json", stream=buf)
+        configure_logging("worker", fmt="json", stream=buf)
         ours = [h for h in root.handlers if getattr(h, "_jacobian_handler", False)]
         assert len(ours) == 1 and not [h for h in root.handlers if type(h) is logging.StreamHandler and h not in ours]
         with job_context("j1"):
@@ -125,17 +130,14 @@ def test_configure_logging_is_idempotent_and_replaces_basic_config(monkeypatch):
         (line,) = [json.loads(s) for s in buf.getvalue().splitlines()]
         assert line == {**line, "job_id": "j1", "service": "worker", "message": "job j1 started"}
 
-        monkeypatch.setenv("JACOBIAN_LOG_FORMAT", "none")
-        assert configure_logging("worker") is None  # leaves logging alone
-        monkeypatch.setenv("JACOBIAN_LOG_FORMAT", "text")
+        assert configure_logging("worker", fmt="none") is None  # leaves logging alone
         text = io.StringIO()
-        configure_logging(stream=text)
+        configure_logging(fmt="text", stream=text)
         with job_context("j2"):
             logging.getLogger("x").warning("plain")
         assert text.getvalue().rstrip().endswith("x: plain [job j2]")
-        monkeypatch.setenv("JACOBIAN_LOG_FORMAT", "xml")
         with pytest.raises(ValueError, match="JACOBIAN_LOG_FORMAT"):
-            configure_logging()
+            configure_logging(fmt="xml")
     finally:
         for h in list(root.handlers):
             root.removeHandler(h)

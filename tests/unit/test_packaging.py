@@ -151,7 +151,7 @@ def _chain(stages: dict[str, dict], name: str) -> list[str]:
 
 
 def _last(lines: list[str], instruction: str) -> str | None:
-    found = [l for l in lines if l.split(None, 1)[0].upper() == instruction]
+    found = [line for line in lines if line.split(None, 1)[0].upper() == instruction]
     return found[-1].split(None, 1)[1] if found else None
 
 
@@ -186,8 +186,8 @@ def test_dockerfile_keeps_tensorflow_out_of_the_api_image():
 
 
 def test_dockerignore_keeps_local_state_out():
-    entries = {l.strip() for l in (REPO / ".dockerignore").read_text().splitlines()
-               if l.strip() and not l.startswith("#")}
+    entries = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
     assert {".venv", "var", ".git"} <= entries
 
 
@@ -207,7 +207,7 @@ def test_scripts_are_strict_executable_bash(path):
 
 
 def test_ci_runs_the_one_test_command():
-    lines = [l for l in (REPO / ".ci/run").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [line for line in (REPO / ".ci/run").read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert lines[-1] == "exec bash scripts/test.sh"
     test_sh = (REPO / "scripts/test.sh").read_text()
     assert "bash scripts/setup.sh" in test_sh and "-m pytest" in test_sh

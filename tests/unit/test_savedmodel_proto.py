@@ -6,9 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from contracts.savedmodel import (SavedModelError, SignatureNotFound, parse_saved_model, read_saved_model,
-                                  strip_variable_suffix)
+from contracts.savedmodel import (
+    SavedModelError,
+    SignatureNotFound,
+    parse_saved_model,
+    read_saved_model,
+    strip_variable_suffix,
+)
 from tests import models
+
 
 def _tf_spec(spec):
     shape = None if spec.shape.rank is None else tuple(spec.shape.as_list())

@@ -3,8 +3,14 @@
 See docs/ENGINE_API.md. TensorFlow is imported when a model is loaded, not at import time.
 """
 
-from worker.engine.errors import (BatchNotIndependent, EngineError, InvalidRequest, MemoryBudgetTooSmall,
-                                  NotDifferentiable, Stopped)
+from worker.engine.errors import (
+                                  BatchNotIndependent,
+                                  EngineError,
+                                  InvalidRequest,
+                                  MemoryBudgetTooSmall,
+                                  NotDifferentiable,
+                                  Stopped,
+)
 from worker.engine.memory import MemoryProbe, TFMemoryProbe
 from worker.engine.model import LoadedModel, describe_signature, load_model
 from worker.engine.plan import Plan, PlanKey, StrategyRecord

@@ -25,31 +25,31 @@ def is_out_of_memory(err: BaseException) -> bool:
     return False
 
 
-_ARENAS_SET = False
+_ARENAS_DECIDED = False
 
 
-def limit_malloc_arenas(arenas: int | None = None) -> bool:
-    """Cap glibc's malloc arenas (``JACOBIAN_MALLOC_ARENAS``, default 2) before TensorFlow's threads start.
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas at ``arenas`` (0: leave glibc's default) before TensorFlow's threads start;
+    the first call of a process decides (the worker and the CLI pass ``Settings.malloc_arenas``).
 
     Each thread that allocates may get an arena of its own, and memory freed in one arena serves no
     other: TensorFlow's thread pools then hold gigabytes of freed tensor memory (peak RSS of
     ``jacobian compute`` on MobileNetV3Small: 2.57 GB with glibc's default, 1.79 GB with 2 arenas).
     A ``MALLOC_ARENA_MAX`` the user set wins. Returns whether the cap was applied.
     """
-    global _ARENAS_SET
-    if _ARENAS_SET or os.environ.get("MALLOC_ARENA_MAX") or platform.system() != "Linux":
+    global _ARENAS_DECIDED
+    if _ARENAS_DECIDED or os.environ.get("MALLOC_ARENA_MAX") or platform.system() != "Linux":
         return False
-    n = arenas if arenas is not None else int(os.environ.get("JACOBIAN_MALLOC_ARENAS", "2") or 0)
-    if n <= 0:
+    _ARENAS_DECIDED = True
+    if arenas <= 0:
         return False
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        _ARENAS_SET = bool(libc.mallopt(-8, n))  # M_ARENA_MAX
+        return bool(libc.mallopt(-8, arenas))  # M_ARENA_MAX
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to cap
         return False
-    return _ARENAS_SET
 
 
 @lru_cache(maxsize=8)

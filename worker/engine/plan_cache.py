@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from contracts.files import write_atomically
 from worker.engine.plan import Plan, PlanKey
 
 log = logging.getLogger(__name__)
@@ -111,15 +111,7 @@ class DiskPlanCache:
 
     @staticmethod
     def _write(path: Path, text: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, text.encode())
 
 
 class TieredPlanCache:

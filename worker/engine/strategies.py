@@ -20,8 +20,9 @@ callers pad ``k`` to a power of two and slice on the device. Rows past ``rows_to
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from worker.engine import pfor_patches
 from worker.engine.plan import parse_label

@@ -30,7 +30,7 @@ and how far a chunk grows while it is calibrated on the job's own rows.
 from __future__ import annotations
 
 import statistics
-from typing import Iterable
+from collections.abc import Iterable
 
 FIRST_ROWS = 8            # the first chunk of an uncalibrated strategy
 TIMED_CALLS = 2           # steady calls timed per calibrated size (the faster counts: single timings are noisy)

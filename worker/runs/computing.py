@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from worker.inputs import check_model_path, effective_budget, load_inputs
 from worker.pipeline import compute_to_storage

@@ -47,7 +47,7 @@ class Finalizer(Attempt):
         except FileNotFoundError as err:
             return self.on_failed({"type": "ResultMissing", "message": f"result: {err}; resubmit the job"},
                                   delete=True)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - classified by settle(), which re-raises
             return self.settle(err)
 
     def _finish(self, record: JobRecord, split: ShardPlan | None) -> dict[str, Any]:

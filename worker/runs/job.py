@@ -10,8 +10,15 @@ from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, merge_shard_progress
 from worker.pipeline import at_least
 from worker.runs.computing import ComputingAttempt
-from worker.sharding import ShardPlan, choose_shards, enqueue_shards, estimated_seconds, layout_for, live_workers
-from worker.sharding import split_rows
+from worker.sharding import (
+    ShardPlan,
+    choose_shards,
+    enqueue_shards,
+    estimated_seconds,
+    layout_for,
+    live_workers,
+    split_rows,
+)
 from worker.storage import ResultWriter
 
 if TYPE_CHECKING:
@@ -43,7 +50,7 @@ class JobRun(ComputingAttempt):
             store.transition(job.id, JobStatus.running, error=None)
         try:
             return self._compute(record)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - classified by settle(), which re-raises
             return self.settle(err)
 
     def _record(self) -> JobRecord:

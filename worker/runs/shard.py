@@ -43,7 +43,7 @@ class ShardRun(ComputingAttempt):
             return {**out, "status": "stopped"}
         try:
             self._compute()
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - classified by settle(), which re-raises
             return {**out, **self.settle(err)}
         log.info("job %s: %s done", job.id, self.what)
         self.metric_status = "shard_done"

@@ -1,0 +1,185 @@
+"""Choosing between strategies while a job runs: which one runs this job, falling back when one fails, and
+a trial of an alternative timed against the incumbent at the job's chunk size, only when it pays."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from worker.engine import tuning
+from worker.engine.chunk_run import Calibration, ChunkRun, rows_agree
+from worker.engine.errors import NotDifferentiable
+from worker.engine.plan import Plan
+from worker.engine.planner import fit_linear
+from worker.engine.problem import Problem, error_summary
+from worker.engine.strategies import is_compiled
+
+log = logging.getLogger(__name__)
+
+
+def fail_all(problem: Problem, failures: dict[str, str]) -> NotDifferentiable:
+    reasons = sorted(set(failures.values()))
+    detail = reasons[0] if len(reasons) == 1 else "; ".join(f"{k}: {v}" for k, v in failures.items())
+    if problem.mode == "forward":
+        return NotDifferentiable(f"mode: TensorFlow's forward mode fails on this SavedModel ({detail}); "
+                                 f"use mode 'reverse' or 'auto'", field="mode")
+    return NotDifferentiable(f"wrt: TensorFlow cannot differentiate {problem.of!r} with respect to "
+                             f"{problem.wrt!r} in this SavedModel ({detail}); every strategy failed, the "
+                             f"per-row eager loop included. Re-export the model so that its graph is "
+                             f"differentiable (e.g. pass variables into loops as loop variables)", field="wrt")
+
+
+def strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: int) -> str:
+    """Among the plan's verified and timed strategies, the one to run this job (``tuning.buy_compile``)."""
+    known = {label: r for label, r in plan.strategies.items()
+             if label in applicable and r.status == "ok" and r.verified and r.best_rate()}
+    if plan.strategy not in known or len(known) < 2:
+        return plan.strategy
+
+    def compile_s(label: str) -> float:
+        return 0.0 if is_compiled(problem, label) else float(known[label].compile_s or 0.0)
+
+    def rows_s(label: str) -> float:
+        return rows / float(known[label].best_rate() or 1e-9)
+
+    best = min(known, key=rows_s)
+    rent = min(known, key=lambda label: compile_s(label) + rows_s(label))
+    if rent == best or compile_s(best) == 0.0:
+        return best
+    digest = plan.key.digest if plan.key else ""
+    regret = problem.model.compiled.regret_s.get(digest, 0.0)
+    rent_s = compile_s(rent) + rows_s(rent)
+    if tuning.buy_compile(rent_job_s=rent_s, best_rows_s=rows_s(best), compile_s=compile_s(best), regret_s=regret):
+        problem.model.compiled.regret_s[digest] = 0.0
+        return best
+    problem.model.compiled.regret_s[digest] = regret + max(rent_s - rows_s(best), 0.0)
+    log.info("this job runs %s (%.1f s expected) rather than the plan's faster %s (%.1f s to compile here)",
+             rent, rent_s, best, compile_s(best))
+    return rent
+
+
+def fall_back(run: ChunkRun, applicable: list[str], label: str, why: str, *, status: str = "failed") -> None:
+    """Mark ``label`` unusable and move to the next strategy that may work; raise when none is left."""
+    record = run.plan.record(label)
+    record.status, record.reason = status, why
+    run.failures[label] = why
+    log.info("strategy %s %s: %s", label, status, why)
+    order = [s for s in tuning.FALLBACKS if s in applicable]
+    left = [s for s in order if run.plan.record(s).usable and s != label]
+    if not left:
+        raise fail_all(run.problem, run.failures)
+    run.plan.strategy = left[0]
+    run.plan.source = run.plan.source if run.plan.source == "pinned" else "default"
+
+
+def mark_refined(run: ChunkRun, applicable: list[str]) -> None:
+    tried = [label for label, r in run.plan.strategies.items() if r.status != "untried"]
+    if not tuning.alternatives(applicable, tried, xla=run.try_xla):
+        run.plan.refined = True
+
+
+def maybe_trial(run: ChunkRun, applicable: list[str], *, rows_left: int, seconds_per_row: float) -> None:
+    """Between chunks: try the next alternative if it pays (``tuning.trial_pays``) or ``refine="always"``."""
+    if run.refine == "never" or run.pinned or run.chunk_rows is not None or run.last is None:
+        return
+    plan = run.plan
+    while True:
+        tried = [label for label, r in plan.strategies.items() if r.status != "untried"]
+        candidates = tuning.alternatives(applicable, tried, xla=run.try_xla)
+        if not candidates:
+            plan.refined = True
+            return
+        incumbent = plan.strategy
+        candidate = candidates[0]
+        k_inc = len(run.last[1])
+        compile_inc = plan.record(incumbent).compile_s or 1.0
+        cost = tuning.estimated_compile_s(candidate, known=plan.record(candidate).compile_s, incumbent=incumbent,
+                                          incumbent_compile_s=compile_inc)
+        cost += (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * k_inc
+        if run.refine != "always" and not tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row,
+                                                             past_work_s=plan.work_s):
+            return
+        run_trial(run, candidate)
+        if plan.strategy != incumbent:
+            return  # the winner calibrates on the next chunks; further trials come after that
+
+
+def run_trial(run: ChunkRun, candidate: str) -> None:
+    """Time ``candidate`` against the incumbent on the incumbent's last chunk (recomputed, not kept).
+
+    The candidate first runs a quarter of that chunk (compile, memory reading, rows checked against
+    the incumbent's), then the largest power-of-two share of it whose proportional peak stays under
+    the job's memory plan, then ``TRIAL_PAIRS`` interleaved pairs decide (``tuning.candidate_wins``),
+    each timed call after an untimed one of the same strategy.
+    """
+    assert run.last is not None
+    start, ref, incumbent, peak_inc = run.last
+    plan, k_inc = run.plan, len(ref)
+    record = plan.record(candidate)
+    k_small = max(1, k_inc // 4)
+    trial: dict[str, Any] = {"candidate": candidate, "incumbent": incumbent}
+    run.status["trial"] = trial
+    try:
+        rows, seconds, peak_small, first = run.call(candidate, start, k_small)
+        if first:
+            record.compile_s = round(seconds, 3)
+        if not rows_agree(rows, ref[:k_small]):
+            record.status, record.reason = "disagrees", "disagrees with the incumbent's rows"
+            trial["result"] = record.reason
+            return
+        # The job's chunk size, unless the candidate's proportional peak would pass the job's memory
+        # plan there (a budget set: the incumbent's own chunk peak, so a trial never peaks above it).
+        cap = max(peak_inc, 1) if run.budget is not None else run.usable
+        k_c = k_inc
+        if peak_small > 0:
+            while k_c > k_small and peak_small * k_c / k_small > cap and k_c > 1:
+                k_c //= 2
+            if peak_small > cap * 1.05 and k_c <= k_small:
+                record.status, record.reason = "too_much_memory", f"{peak_small} bytes at {k_small} rows"
+                trial["result"] = record.reason
+                return
+        if k_c != k_small:
+            rows, _, _, _ = run.call(candidate, start, k_c)
+            if not rows_agree(rows, ref[:k_c]):
+                record.status, record.reason = "disagrees", "disagrees with the incumbent's rows"
+                trial["result"] = record.reason
+                return
+        inc_times, cand_times, peaks = [], [], []
+        for _ in range(tuning.TRIAL_PAIRS):
+            # Each side's timed call follows an untimed one of the same side: right after the other
+            # side, the thread pools of the other runtime (TensorFlow's executor, XLA's) still spin
+            # and the first call pays for it (5-10 % on 2 cores), whichever side it is.
+            run.call(incumbent, start, k_inc)
+            _, s_inc, _, _ = run.call(incumbent, start, k_inc)
+            run.call(candidate, start, k_c)
+            _, s_c, p_c, _ = run.call(candidate, start, k_c)
+            inc_times.append(s_inc / k_inc)
+            cand_times.append(s_c / k_c)
+            peaks.append(p_c)
+    except Exception as err:  # noqa: BLE001 - a candidate that fails is ruled out, the job goes on
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        record.status, record.reason = "failed", error_summary(err)
+        run.failures[candidate] = record.reason
+        trial["result"] = f"failed: {record.reason}"
+        return
+    record.status = "ok"  # its rows agreed with the incumbent's, which agree with the eager rows
+    record.rates[k_c] = round(1.0 / float(np.median(cand_times)), 3)
+    if record.compile_s is not None:
+        record.compile_s = round(max(record.compile_s - float(np.median(cand_times)) * k_small, 0.0), 3)
+    if k_c != k_small:
+        record.memory = fit_linear(k_small, peak_small, k_c, max(peaks)) if max(peaks) > 0 else None
+    ratio = float(np.median([c / i for i, c in zip(inc_times, cand_times)]))
+    wins = tuning.candidate_wins(inc_times, cand_times)
+    trial.update({"ratio": round(ratio, 4), "winner": candidate if wins else incumbent, "chunk_rows": k_c})
+    log.info("trial %s vs %s: per-row time ratio %.3f (median of %d pairs): %s", candidate, incumbent, ratio,
+             len(inc_times), "switch" if wins else "keep")
+    if wins:
+        plan.strategy, plan.source = candidate, "trial"
+        cal = run.cal.setdefault(candidate, Calibration())
+        cal.k = k_c
+        cal.calls[k_c] = 2
+        cal.seconds[k_c] = float(np.median(cand_times)) * k_c
+        cal.peaks[k_c] = max(peaks)
