@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import emit, machine
-from tests.procs import Proc, base_env, free_port, jacobian_exe
+from tests.procs import Proc, base_env, free_port, jacobian_exe, wait_for
 
 POLL_S = 0.01
 
@@ -57,16 +57,8 @@ class Stack:
         self._wait(lambda: self.client.get("/readyz").status_code == 200, "API")
 
     def _wait(self, check: Any, what: str, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if check():
-                    return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            time.sleep(0.05)
-        reports = "\n".join(p.report() for p in self.procs.values())
-        raise TimeoutError(f"{what} not ready after {timeout_s} s\n" + reports)
+        wait_for(check, timeout_s, what, poll_s=0.05,
+                 report=lambda: "\n".join(p.report() for p in self.procs.values()))
 
     def start_worker(self, name: str) -> None:
         import redis

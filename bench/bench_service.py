@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import emit, machine
-from tests.procs import Proc, free_port, jacobian_exe
+from tests.procs import Proc, free_port, jacobian_exe, wait_for
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -98,18 +98,6 @@ def calibrate_batch(model_path: str, target_s: float) -> tuple[int, float]:
 
 
 # -- (b) the service --------------------------------------------------------------------------------
-
-
-def wait_for(check: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not ready after {timeout_s:g} s")
 
 
 def _epoch(iso: str | None) -> float | None:

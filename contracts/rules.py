@@ -150,14 +150,19 @@ def resolve_of(of: str | None, outputs: Mapping[str, Described], *, signature: s
         what = "no float output" if not floats else f"several float outputs ({names(floats)})"
         raise RuleViolation(f"of: signature {signature!r} has {what}; name the output to differentiate with 'of'"
                             + (f": {names(floats)}" if floats else ""), field="of")
-    if of not in outputs:
-        raise RuleViolation(f"of: {of!r} is not an output of signature {signature!r}; choose one of: "
-                            f"{names(floats)}", field="of")
-    dtype = outputs[of].dtype
+    return _differentiable_member("of", of, outputs, missing=f"is not an output of signature {signature!r}",
+                                  not_float="has no derivative", choices=names(floats))
+
+
+def _differentiable_member(field: str, name: str, specs: Mapping[str, Described], *, missing: str,
+                           not_float: str, choices: str) -> str:
+    """``name``, when ``specs`` has it with a float dtype; else the field's error, listing ``choices``."""
+    if name not in specs:
+        raise RuleViolation(f"{field}: {name!r} {missing}; choose one of: {choices}", field=field)
+    dtype = specs[name].dtype
     if not is_differentiable(dtype):
-        raise RuleViolation(f"of: {of!r} is {dtype} and has no derivative; choose one of: {names(floats)}",
-                            field="of")
-    return of
+        raise RuleViolation(f"{field}: {name!r} is {dtype} and {not_float}; choose one of: {choices}", field=field)
+    return name
 
 
 def find_variable(name: str, variables: Iterable[str]) -> str:
@@ -199,14 +204,9 @@ def resolve_wrt(wrt: str | None, inputs: Mapping[str, Described], variables: Map
             raise RuleViolation(f"wrt: variable {name!r} is {dtype} and cannot be differentiated; choose one of: "
                                 f"{names(float_vars)}", field="wrt")
         return VARIABLE_PREFIX + name
-    if wrt not in inputs:
-        raise RuleViolation(f"wrt: {wrt!r} is neither an input of signature {signature!r} nor 'variables/<name>'; "
-                            f"choose one of: {choices}", field="wrt")
-    dtype = inputs[wrt].dtype
-    if not is_differentiable(dtype):
-        raise RuleViolation(f"wrt: {wrt!r} is {dtype} and cannot be differentiated; choose one of: {choices}",
-                            field="wrt")
-    return wrt
+    return _differentiable_member(
+        "wrt", wrt, inputs, missing=f"is neither an input of signature {signature!r} nor 'variables/<name>'",
+        not_float="cannot be differentiated", choices=choices)
 
 
 def one_element(shape: Shape) -> bool | None:

@@ -9,7 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_TAIL_CHARS = 6000
@@ -77,3 +80,18 @@ class Proc:
     def stop(self) -> None:
         stop_all([self.proc], timeout_s=15)
         self._log.close()
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str, *, poll_s: float = 0.1,
+             report: Callable[[], str] | None = None) -> None:
+    """Until ``check()`` is true (an exception counts as not yet); else ``TimeoutError`` naming ``what``
+    (with ``report()``, e.g. the processes' log tails, appended)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what} not ready after {timeout_s:g} s" + (f"\n{report()}" if report else ""))

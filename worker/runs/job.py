@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, merge_shard_progress
+from contracts.records import Progress
 from worker.pipeline import at_least
 from worker.runs.computing import ComputingAttempt
 from worker.sharding import (
@@ -151,7 +152,7 @@ class JobRun(ComputingAttempt):
                 rows = sum(b.row_stop - b.row_start for b in writer.blocks
                            if b.index in committed and lo <= b.row_start < hi)
                 if rows:
-                    self.store.update_shard_progress(job.id, i, {"rows_done": rows, "rows_total": hi - lo},
+                    self.store.update_shard_progress(job.id, i, Progress.of(rows, hi - lo, 0.0).model_dump(),
                                                      computed_rows=rows)
         return self._fan_out(stored)
 
