@@ -160,14 +160,17 @@ def record_abandoned(store: JobStore, task: str | None, spec: dict[str, Any], *,
 
 
 def configure_devices(settings: Settings) -> None:
-    """Pin one GPU (``settings.gpu``, an index), cap malloc arenas (``settings.malloc_arenas``) and turn
-    on memory growth; call before TF starts.
+    """Pin one GPU (``settings.gpu``, an index), cap malloc arenas (``settings.malloc_arenas``), turn on
+    memory growth and turn off TensorFloat-32; call before TF starts.
 
-    Sets ``CUDA_VISIBLE_DEVICES`` when TensorFlow is not imported yet, else uses
-    ``tf.config.set_visible_devices``; errors from an initialised runtime are logged, not raised.
+    Before TensorFlow is imported: ``CUDA_VISIBLE_DEVICES`` and ``TF_FORCE_GPU_ALLOW_GROWTH=true`` (unless
+    set), and ``load_model`` turns TF32 off when it imports TensorFlow. After: ``tf.config.set_visible_devices``
+    and ``worker.engine.devices.prepare_gpus``. Errors from an initialised runtime are logged, not raised
+    (``load_model`` raises them again, as the job's error).
     """
     import sys
 
+    from worker.engine.errors import EngineError
     from worker.engine.memory import limit_malloc_arenas
 
     limit_malloc_arenas(settings.malloc_arenas)
@@ -181,15 +184,18 @@ def configure_devices(settings: Settings) -> None:
         return
     import tensorflow as tf
 
+    from worker.engine.devices import prepare_gpus
+
     try:
         gpus = tf.config.list_physical_devices("GPU")
         if gpu is not None and gpus:
             tf.config.set_visible_devices(gpus[int(gpu)], "GPU")
-            gpus = [gpus[int(gpu)]]
-        for device in gpus:
-            tf.config.experimental.set_memory_growth(device, True)
     except (RuntimeError, IndexError, ValueError) as err:
         log.warning("JACOBIAN_GPU=%s could not be applied: %s", gpu, err)
+    try:
+        prepare_gpus()
+    except EngineError as err:
+        log.warning("%s", err)
 
 
 def worker_name(settings: Settings) -> str:

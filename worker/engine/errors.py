@@ -35,3 +35,7 @@ class MemoryBudgetTooSmall(EngineError):
 
 class Stopped(EngineError):
     """``should_stop`` asked the run to stop between chunks (cancel)."""
+
+
+class GPUMemoryReserved(EngineError):
+    """TensorFlow reserved the whole GPU before memory growth (or a memory limit) was set: no plan can hold."""

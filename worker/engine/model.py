@@ -90,10 +90,15 @@ class LoadedModel:
 
 
 def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
-    """Load ``signature`` of the SavedModel at ``path`` (raises InvalidRequest naming the field)."""
+    """Load ``signature`` of the SavedModel at ``path`` (raises InvalidRequest naming the field).
+
+    GPUs get memory growth and TensorFloat-32 off first (``worker.engine.devices.prepare_gpus``; raises
+    GPUMemoryReserved when TensorFlow already holds the whole GPU)."""
+    from worker.engine.devices import prepare_gpus
     from worker.engine.memory import limit_malloc_arenas
 
     limit_malloc_arenas()
+    prepare_gpus()
     import tensorflow as tf
 
     try:

@@ -16,6 +16,7 @@ import numpy as np
 from contracts.layout import Block
 from worker.engine import tuning
 from worker.engine.chunk_run import ChunkRun, rows_agree
+from worker.engine.devices import prepare_gpus
 from worker.engine.errors import EngineError, NotDifferentiable, Stopped
 from worker.engine.memory import MemoryProbe, TFMemoryProbe, is_out_of_memory
 from worker.engine.plan import Plan
@@ -72,6 +73,7 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
     ``on_chunk(start, rows)`` gets rows ``(n,) + row_shape`` in ``problem.dtype`` in ascending order.
     Raises EngineError (``Stopped`` when ``should_stop()`` turns true between chunks).
     """
+    prepare_gpus()  # a problem built from a model loaded elsewhere: growth and TF32 as load_model sets them
     probe = probe or TFMemoryProbe()
     t_start = time.perf_counter()
     applicable = applicable_labels(problem)
