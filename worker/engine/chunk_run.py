@@ -51,6 +51,7 @@ class Calibration:
     first_call_s: float | None = None
     k: int = tuning.FIRST_ROWS
     done: bool = False
+    too_big: int | None = None   # the smallest chunk that ran out of memory (or peaked near the limit)
 
 
 class ChunkRun:
@@ -245,6 +246,8 @@ class ChunkRun:
             memory = LinearFit(0.0, cal.peaks[k2] / k2)
             seconds = LinearFit(0.0, cal.seconds[k2] / k2)
         record.memory = LinearFit(memory.fixed, max(memory.per_row, floor))
+        if cal.too_big is not None:  # what the sizes that fitted do not show: the one that did not
+            record.memory = self.below(record.memory, cal.too_big)
         record.seconds = seconds
         record.preferred_rows = tuning.preferred_rows({k: k / cal.seconds[k] for k in timed})
         record.batch = self.batch
@@ -260,9 +263,10 @@ class ChunkRun:
         self.k_cap[label] = half
         record = self.plan.record(label)
         if record.memory is not None:
-            record.memory = LinearFit(record.memory.fixed, max(record.memory.per_row, self.usable / k))
+            record.memory = self.below(record.memory, k)
         cal = self.cal.setdefault(label, Calibration())
         cal.k = min(cal.k, half)
+        cal.too_big = k if cal.too_big is None else min(cal.too_big, k)  # for the fit of a calibration under way
         if oom:
             self.status["oom_retries"] += 1
         else:
@@ -270,6 +274,12 @@ class ChunkRun:
         log.warning("%s at %d rows; chunk halved to %d rows", "out of memory" if oom else "peak near the limit",
                     k, half)
         return half
+
+    def below(self, memory: LinearFit, k: int) -> LinearFit:
+        """``memory`` corrected so that ``k`` rows no longer fit this run's limit (nor, in the plan, a later
+        job's with as much memory): ``k`` rows predict 1 % more than the limit, whatever the fixed part
+        (at exactly the limit ``plan_chunk`` would take ``k`` again)."""
+        return LinearFit(memory.fixed, max(memory.per_row, 1.01 * self.usable / k))
 
     # -- status ---------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import numpy as np
 from worker.engine import tuning
 from worker.engine.chunk_run import Calibration, ChunkRun, rows_agree
 from worker.engine.errors import NotDifferentiable
+from worker.engine.memory import is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.planner import fit_linear
 from worker.engine.problem import Problem, error_summary
@@ -161,6 +162,11 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
     except Exception as err:  # noqa: BLE001 - a candidate that fails is ruled out, the job goes on
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
+        if is_out_of_memory(err):  # it needs more memory than the job has: no failure to differentiate
+            record.status, record.reason = "too_much_memory", f"out of memory in a trial: {error_summary(err)}"
+            trial["result"] = record.reason
+            log.info("trial %s vs %s: %s", candidate, incumbent, record.reason)
+            return
         record.status, record.reason = "failed", error_summary(err)
         run.failures[candidate] = record.reason
         trial["result"] = f"failed: {record.reason}"

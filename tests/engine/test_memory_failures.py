@@ -1,0 +1,134 @@
+"""Out-of-memory wherever it happens (a chunk, a calibration, a trial): the job goes on and the plan remembers.
+Real TensorFlow on the CPU; out-of-memory errors are injected through the probe, as a GPU would raise them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import models
+from tests.engine.conftest import rand
+from tests.engine.reference import tape_jacobian
+from worker.engine import Plan, TFMemoryProbe, build_problem, load_model, run_problem
+from worker.engine.chunk_run import ChunkRun
+from worker.engine.memory import is_out_of_memory
+from worker.engine.trial import run_trial
+
+XLA = "vectorized+xla"
+
+
+@pytest.fixture(scope="module")
+def small_mlp(tmp_path_factory):
+    return load_model(str(models.mlp(tmp_path_factory.mktemp("small") / "mlp")))
+
+
+@pytest.fixture(scope="module")
+def wide_mlp(tmp_path_factory):
+    return load_model(str(models.mlp(tmp_path_factory.mktemp("wide") / "mlp", sizes=(256, 512, 512, 256))))
+
+
+def oom(kind: str = "resource"):
+    import tensorflow as tf
+
+    if kind == "cublas":
+        return tf.errors.InternalError(None, None, "Blas xGEMM launch failed: CUBLAS_STATUS_ALLOC_FAILED")
+    return tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[4096,512]")
+
+
+class Probe(TFMemoryProbe):
+    """The real CPU probe; OOMs above ``oom_above_rows`` rows or while ``failing``; ``is_gpu`` as told;
+    the first ``blind_chunks`` peaks read 0."""
+
+    def __init__(self, *, oom_above_rows: int | None = None, is_gpu: bool = False, free_bytes: int | None = None,
+                 blind_chunks: int = 0):
+        super().__init__("CPU:0")
+        self.oom_above_rows, self.failing, self._gpu, self._free = oom_above_rows, None, is_gpu, free_bytes
+        self.blind_chunks = blind_chunks  # the next chunks' peaks read 0, as memory the statistics miss
+        self.chunks: list[int] = []
+
+    def peak_bytes(self) -> int:
+        if self.blind_chunks > 0:
+            self.blind_chunks -= 1
+            return 0
+        return super().peak_bytes()
+
+    @property
+    def is_gpu(self) -> bool:
+        return self._gpu
+
+    def free_bytes(self) -> int:
+        return self._free if self._free is not None else super().free_bytes()
+
+    def before_chunk(self, rows: int) -> None:
+        self.chunks.append(rows)
+        if self.failing or (self.oom_above_rows is not None and rows > self.oom_above_rows):
+            raise oom(self.failing or "resource")
+
+
+@pytest.mark.parametrize("message,expected", [
+    ("CUBLAS_STATUS_ALLOC_FAILED", True), ("CUDNN_STATUS_ALLOC_FAILED", True),
+    ("failed to allocate memory for the workspace", True), ("Dst tensor is not initialized. OOM", True),
+    ("cuDNN launch failure: no room for the zoom kernel", False), ("Invalid conv algorithm", False)])
+def test_allocation_failures_surfaced_as_internal_errors_count_as_out_of_memory(message, expected):
+    import tensorflow as tf
+
+    assert is_out_of_memory(tf.errors.InternalError(None, None, message)) is expected
+    assert is_out_of_memory(tf.errors.ResourceExhaustedError(None, None, "anything"))
+    assert not is_out_of_memory(tf.errors.InvalidArgumentError(None, None, "out of memory"))
+
+
+@pytest.mark.parametrize("kind", ["resource", "cublas"])
+def test_an_oom_in_a_trial_rules_the_candidate_out_as_too_much_memory(small_mlp, kind):
+    problem = build_problem(small_mlp, {"x": rand((8, 8))})
+    plan = Plan(strategy="vectorized")
+    probe = Probe()
+    run = ChunkRun(problem, plan, probe, budget=None, chunk_rows=None, throughput_cap=False, refine="always",
+                   try_xla=False, pinned=False, on_plan=None)
+    rows, _, peak, _ = run.call("vectorized", 0, 16)
+    run.last = (0, rows, "vectorized", peak)
+    probe.failing = kind
+    run_trial(run, "loop")
+    record = plan.record("loop")
+    assert record.status == "too_much_memory" and "out of memory" in record.reason
+    assert "loop" not in run.failures and plan.strategy == "vectorized"  # no "cannot differentiate" later
+    assert run.status["trial"]["result"].startswith("out of memory")
+
+
+def test_an_oom_in_calibration_is_kept_in_the_plan_for_the_next_job(wide_mlp):
+    """Calibration grows 8, 16, 32 and runs out of memory at 64 rows; the fit from the sizes that ran does
+    not show it, so the plan must: the next job plans below 64 rows and meets no OOM."""
+    problem = build_problem(wide_mlp, {"x": rand((64, 256))})
+    options = dict(ranges=[(0, 1024)], strategy="vectorized", throughput_cap=False, memory_budget_bytes=256 << 20)
+    calibrating = Probe(oom_above_rows=32)
+    first = run_problem(problem, probe=calibrating, **options)
+    assert first.plan["oom_retries"] == 1 and calibrating.chunks[:5] == [8, 16, 32, 64, 32], calibrating.chunks
+    probe = Probe(oom_above_rows=32)
+    second = run_problem(problem, plan=first.learned, probe=probe, **options)
+    assert second.plan["oom_retries"] == 0, (probe.chunks, second.plan)
+    assert max(probe.chunks) <= 32
+
+
+def test_injected_ooms_leave_the_rows_right(small_mlp):
+    inputs = {"x": rand((16, 8))}
+    problem = build_problem(small_mlp, inputs)
+    got = np.empty((problem.rows_total,) + problem.layout.row_shape, np.float32)
+
+    def keep(start, rows):
+        got[start:start + len(rows)] = rows
+
+    report = run_problem(problem, probe=Probe(oom_above_rows=4), on_chunk=keep, strategy="vectorized",
+                         throughput_cap=False)
+    assert report.plan["oom_retries"] >= 1
+    want = tape_jacobian(small_mlp, inputs, "y", "x")
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_corrected_fit_refuses_the_size_that_failed_even_with_no_fixed_part():
+    """``per_row = limit / k`` alone predicts exactly the limit at ``k`` rows, which ``plan_chunk`` accepts."""
+    from types import SimpleNamespace
+
+    from worker.engine.planner import LinearFit, plan_chunk
+
+    usable = 0.8 * (256 << 20)
+    corrected = ChunkRun.below(SimpleNamespace(usable=usable), LinearFit(0.0, 1000.0), 64)
+    assert plan_chunk(rows_total=1024, memory=corrected, free_bytes=1 << 40, budget_bytes=256 << 20) == 32
