@@ -92,6 +92,8 @@ class StrategyRecord:
     rates: dict[int, float] = field(default_factory=dict)   # rows/s measured per chunk size
     preferred_rows: int | None = None  # the smallest chunk within a few % of the best rows/s
     batch: int | None = None         # the batch size the fits were measured at
+    peak_unseen: bool = False        # its chunks' peaks read 0: the allocator statistics do not see its memory
+                                     # (XLA on the CPU), so a memory budget cannot bound it
 
     @property
     def usable(self) -> bool:
@@ -113,7 +115,8 @@ class StrategyRecord:
                    memory=None if memory is None else LinearFit(float(memory[0]), float(memory[1])),
                    seconds=None if seconds is None else LinearFit(float(seconds[0]), float(seconds[1])),
                    rates={int(k): float(v) for k, v in (data.get("rates") or {}).items()},
-                   preferred_rows=data.get("preferred_rows"), batch=data.get("batch"))
+                   preferred_rows=data.get("preferred_rows"), batch=data.get("batch"),
+                   peak_unseen=bool(data.get("peak_unseen")))
 
     def memory_at(self, batch: int | None) -> LinearFit | None:
         """The memory line for ``batch`` examples: scaled up from the batch it was measured at."""

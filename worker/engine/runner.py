@@ -22,7 +22,7 @@ from worker.engine.memory import MemoryProbe, TFMemoryProbe, is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.problem import Problem, error_summary
 from worker.engine.strategies import is_applicable
-from worker.engine.trial import fall_back, mark_refined, maybe_trial, strategy_for_job
+from worker.engine.trial import avoid_unseen, fall_back, mark_refined, maybe_trial, strategy_for_job
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
     todo = list(ranges) if ranges is not None else [(0, problem.rows_total)]
     steady = plan.strategy
     if strategy is None:
-        plan.strategy = strategy_for_job(problem, plan, applicable, sum(hi - lo for lo, hi in todo))
+        plan.strategy = strategy_for_job(problem, plan, applicable, sum(hi - lo for lo, hi in todo),
+                                         budget_bytes=memory_budget_bytes)
     run = ChunkRun(problem, plan, probe, budget=memory_budget_bytes, chunk_rows=chunk_rows,
                    throughput_cap=throughput_cap, refine="never" if strategy is not None else refine,
                    try_xla=try_xla, pinned=strategy is not None, on_plan=on_plan)
@@ -150,6 +151,8 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
             run.last_peak = peak
             start += n
             rows_done += n
+            if run.budget is not None and run.plan.record(label).peak_unseen and avoid_unseen(run, applicable, label):
+                continue  # a budget cannot bound memory the statistics do not see: the next chunk runs another
             cal = run.cal.get(label)
             if not first and cal is not None and cal.done:
                 maybe_trial(run, applicable, rows_left=pending - rows_done, seconds_per_row=seconds / k)

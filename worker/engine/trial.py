@@ -32,8 +32,50 @@ def fail_all(problem: Problem, failures: dict[str, str]) -> NotDifferentiable:
                              f"differentiable (e.g. pass variables into loops as loop variables)", field="wrt")
 
 
-def strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: int) -> str:
-    """Among the plan's verified and timed strategies, the one to run this job (``tuning.buy_compile``)."""
+def is_unseen(plan: Plan, label: str) -> bool:
+    """Whether ``label``'s chunks peaked at 0 bytes: its memory is invisible to the allocator statistics."""
+    record = plan.strategies.get(label)
+    return record is not None and record.peak_unseen
+
+
+def seen_strategy(problem: Problem, plan: Plan, applicable: list[str]) -> str:
+    """Of ``applicable`` strategies whose memory is seen: the plan's fastest verified one, else the default."""
+    known = [label for label in applicable if not is_unseen(plan, label) and label in plan.strategies
+             and plan.strategies[label].status == "ok" and plan.strategies[label].best_rate()]
+    if known:
+        return max(known, key=lambda label: float(plan.strategies[label].best_rate() or 0.0))
+    usable = [label for label in applicable if not is_unseen(plan, label)
+              and (label not in plan.strategies or plan.strategies[label].usable)]
+    return tuning.default_order(usable, graph_ops=problem.model.graph_ops)[0] if usable else plan.strategy
+
+
+def avoid_unseen(run: ChunkRun, applicable: list[str], label: str) -> bool:
+    """Under a memory budget, move this job off ``label``, whose chunks peaked at 0 bytes: the budget cannot
+    bound memory it cannot see. True when it moved; a pinned strategy stays (with a warning)."""
+    if run.pinned:
+        if not run.status.get("budget_unbounded"):
+            run.status["budget_unbounded"] = True
+            log.warning("strategy %s (pinned): its memory is invisible to TensorFlow's allocator statistics, so "
+                        "memory_budget_bytes cannot bound it", label)
+        return False
+    other = seen_strategy(run.problem, run.plan, [s for s in applicable if s != label])
+    if other == run.plan.strategy or is_unseen(run.plan, other):
+        return False
+    log.warning("strategy %s: its memory is invisible to TensorFlow's allocator statistics (peak 0), so "
+                "memory_budget_bytes cannot bound it; this job goes on with %s", label, other)
+    run.plan.strategy = other
+    return True
+
+
+def strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: int, *,
+                     budget_bytes: int | None = None) -> str:
+    """Among the plan's verified and timed strategies, the one to run this job (``tuning.buy_compile``);
+    under a memory budget none whose memory is invisible to the allocator statistics (``is_unseen``)."""
+    if budget_bytes is not None and any(is_unseen(plan, label) for label in applicable):
+        seen = [label for label in applicable if not is_unseen(plan, label)]
+        if seen and plan.strategy not in seen:
+            return seen_strategy(problem, plan, seen)
+        applicable = seen or applicable
     known = {label: r for label, r in plan.strategies.items()
              if label in applicable and r.status == "ok" and r.verified and r.best_rate()}
     if plan.strategy not in known or len(known) < 2:
@@ -88,9 +130,11 @@ def maybe_trial(run: ChunkRun, applicable: list[str], *, rows_left: int, seconds
     plan = run.plan
     while True:
         tried = [label for label, r in plan.strategies.items() if r.status != "untried"]
-        candidates = tuning.alternatives(applicable, tried, xla=run.try_xla)
+        left = tuning.alternatives(applicable, tried, xla=run.try_xla)
+        # Under a budget, not one whose memory the statistics cannot see (it stays untried for other jobs).
+        candidates = [c for c in left if run.budget is None or not is_unseen(plan, c)]
         if not candidates:
-            plan.refined = True
+            plan.refined = plan.refined or not left
             return
         incumbent = plan.strategy
         candidate = candidates[0]
@@ -126,6 +170,9 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
         rows, seconds, peak_small, first = run.call(candidate, start, k_small)
         if first:
             record.compile_s = round(seconds, 3)
+        if run.budget is not None and record.peak_unseen:
+            trial["result"] = "ruled out: its memory is invisible to the allocator statistics, under a budget"
+            return
         if not rows_agree(rows, ref[:k_small]):
             record.status, record.reason = "disagrees", "disagrees with the incumbent's rows"
             trial["result"] = record.reason
