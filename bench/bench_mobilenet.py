@@ -21,8 +21,10 @@ from bench.common import assert_same, emit, machine, tf_peak_bytes
 ROWS = 1000
 
 
-def peers(tf, model, keras_model, xt, loop_rows: int, skip_tape: bool) -> tuple[list[dict], dict, tuple | None, float]:
-    """The per-row loop and tape.jacobian three ways: rows for the table, results, the fastest."""
+def peers(tf, model, keras_model, xt, loop_rows: int, skip_tape: bool,
+          device: str = "CPU:0") -> tuple[list[dict], dict, tuple | None, float]:
+    """The per-row loop and tape.jacobian three ways: rows for the table, results, the fastest (peaks
+    read on ``device``)."""
     out_rows: list[dict] = []
     results: dict[str, np.ndarray] = {}
     # Per-row eager loop as users write it; the slices are taken inside the tape (sliced outside,
@@ -59,7 +61,7 @@ def peers(tf, model, keras_model, xt, loop_rows: int, skip_tape: bool) -> tuple[
     ]:
         try:
             t0 = time.perf_counter()
-            ref, peak = tf_peak_bytes(tape_jacobian(call, use_pfor))
+            ref, peak = tf_peak_bytes(tape_jacobian(call, use_pfor), device)
             secs = time.perf_counter() - t0
         except Exception as err:  # noqa: BLE001 - a peer that fails is reported as such
             out_rows.append({"method": label, "fails": f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"})

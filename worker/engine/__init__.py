@@ -6,6 +6,7 @@ See docs/ENGINE_API.md. TensorFlow is imported when a model is loaded, not at im
 from worker.engine.errors import (
                                   BatchNotIndependent,
                                   EngineError,
+                                  GPUMemoryReserved,
                                   InvalidRequest,
                                   MemoryBudgetTooSmall,
                                   NotDifferentiable,
@@ -20,7 +21,8 @@ from worker.engine.problem import Problem, build_problem, plan_key, verify_indep
 from worker.engine.runner import RunReport, compute_in_memory, default_plan, rows_agree, run_problem
 
 __all__ = [
-    "BatchNotIndependent", "EngineError", "InvalidRequest", "MemoryBudgetTooSmall", "NotDifferentiable", "Stopped",
+    "BatchNotIndependent", "EngineError", "GPUMemoryReserved", "InvalidRequest", "MemoryBudgetTooSmall",
+    "NotDifferentiable", "Stopped",
     "MemoryProbe", "TFMemoryProbe", "LoadedModel", "describe_signature", "load_model", "Plan", "PlanKey",
     "StrategyRecord", "DiskPlanCache", "MemoryPlanCache", "PlanCache", "TieredPlanCache", "LinearFit",
     "bucket_rows", "fit_linear", "plan_chunk", "Problem", "build_problem", "plan_key", "verify_independence",
