@@ -18,6 +18,8 @@ The rules (docs/ENGINE_API.md, "Request rules"):
   ...; a ``None`` dim may be anything, so it does not qualify), or ``reduce='sum'`` (any shape).
 - Batch Jacobian: ``wrt`` an input (not a variable) and ``of`` both with a batch axis (axis 0),
   of equal size where both sizes are known.
+- The stored dtype (``result_dtype``): ``output_dtype`` when given, else the wider of ``of``'s and
+  ``wrt``'s dtypes, the one the derivative is computed in; bfloat16 is stored as float32.
 
 What only a run can tell (an output of unknown rank, an output batch axis of ``None``) passes here
 on the signature and is decided by the same rule on the concrete shapes in the engine.
@@ -107,6 +109,22 @@ def check_options(*, kind: str, mode: str = "auto", reduce: str | None = None,
     if output_dtype is not None and output_dtype not in STORABLE_DTYPES:
         raise RuleViolation(f"output_dtype: {output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); use one "
                             f"of: {names(STORABLE_DTYPES)}", field="output_dtype")
+
+
+_FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def result_dtype(of_dtype: str, wrt_dtype: str, output_dtype: str | None = None) -> str:
+    """The dtype a result is stored in: ``output_dtype`` when given, else the wider of ``of``'s and ``wrt``'s
+    dtypes (a float16 output of a float32 input: float32, as a VJP w.r.t. it is; a float64 loss of a float32
+    input: float64), as float32 where that is bfloat16 (Zarr v3 has no bfloat16) or mixes both 16-bit kinds."""
+    if output_dtype is not None:
+        return output_dtype
+    dtypes = {of_dtype, wrt_dtype}
+    widest = max(_FLOAT_BYTES.get(d, 4) for d in dtypes)
+    if widest == 2:
+        return "float16" if dtypes == {"float16"} else "float32"
+    return "float64" if widest == 8 else "float32"
 
 
 def fits(shape: Shape, declared: Shape) -> bool:

@@ -116,6 +116,24 @@ def test_hessian_of_a_float64_loss_of_a_float32_input(edge_models, mode, strateg
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_stored_dtype_is_the_wider_of_of_and_wrt(edge_models, mode):
+    """A float16 ``of`` of a float32 ``wrt`` stores float32 (the derivative's dtype), a float32 ``of`` of a
+    float16 ``wrt`` too; ``output_dtype`` still decides when given."""
+    x = rand((2, 3))
+    want = tape_jacobian(edge_models["mixed"], {"x": x}, "y16", "x")
+    got, report = compute_in_memory(edge_models["mixed"], {"x": x}, of="y16", mode=mode, chunk_rows=4)
+    assert got.dtype == np.float32 and report.learned is not None
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=2e-3, atol=2e-3)
+    x16 = {"x": rand((2, 3), "float16")}
+    got16, _ = compute_in_memory(edge_models["half"], x16, mode=mode, chunk_rows=4)
+    assert got16.dtype == np.float32
+    np.testing.assert_allclose(got16, tape_jacobian(edge_models["half"], x16, "y", "x").astype(np.float32),
+                               rtol=1e-3, atol=1e-3)
+    forced, _ = compute_in_memory(edge_models["mixed"], {"x": x}, of="y16", mode=mode, output_dtype="float16")
+    assert forced.dtype == np.float16
+
+
 @pytest.mark.parametrize("kind", ["jacobian", "batch_jacobian"])
 @pytest.mark.parametrize("strategy", ["tiled", "vectorized", None])
 @pytest.mark.parametrize("model_name,dtype", [("mlp16", "float16"), ("mlp_bf16", "bfloat16")])

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from contracts import rules
-from contracts.jobspec import STORABLE_DTYPES
 from contracts.layout import ResultLayout
 from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
 from worker.engine.model import LoadedModel, shape_tuple
@@ -39,8 +38,8 @@ class Problem:
     reduce: str | None
     of_shape: tuple[int, ...]       # shape of `of` (before reduce)
     wrt_shape: tuple[int, ...]
-    dtype: str                      # stored result dtype
-    compute_dtype: str
+    dtype: str                      # stored result dtype (``rules.result_dtype``)
+    of_dtype: str                   # ``of``'s dtype: the dtype of cotangents
     layout: ResultLayout
 
     @property
@@ -226,7 +225,7 @@ def verify_independence(problem: Problem, *, tolerance: float = 1e-5, seed: int 
     x = problem.inputs[problem.wrt]
     rng = np.random.default_rng(seed)
     for example in sorted({0, batch - 1}):
-        u = np.zeros(problem.of_shape, dtype=problem.compute_dtype)
+        u = np.zeros(problem.of_shape, dtype=problem.of_dtype)
         u[example] = rng.standard_normal(problem.of_shape[1:])
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -267,10 +266,10 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
         mode, of_shape, wrt_shape = checked["mode"], tuple(checked["of_shape"]), tuple(checked["wrt_shape"])
     else:
         mode, of_shape, wrt_shape = _check_request(model, tensors, of, wrt, kind, mode, reduce)
-    dtype = output_dtype or (out_dtype if out_dtype in STORABLE_DTYPES else "float32")
+    dtype = rules.result_dtype(out_dtype, _wrt_target(model, tensors, wrt).dtype.name, output_dtype)
     itemsize = np.dtype(dtype).itemsize
     problem = Problem(model=model, inputs=tensors, of=of, wrt=wrt, kind=kind, mode=mode, reduce=reduce,
-                      of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, compute_dtype=out_dtype,
+                      of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, of_dtype=out_dtype,
                       layout=_layout(kind, mode, of_shape, wrt_shape, itemsize))
     if kind == "batch_jacobian" and check_independence and not trusted:
         verify_independence(problem)
