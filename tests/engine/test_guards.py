@@ -90,3 +90,43 @@ def test_forward_mode_is_not_used_at_non_finite_derivatives(tmp_path, kind):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(NotDifferentiable, match=r"^mode: .*the derivative is not finite at these inputs"):
         compute_in_memory(model, inputs, kind=kind, mode="forward")
+
+
+def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, monkeypatch):
+    """A ``tiled`` that is wrong beyond the first and last rows of a chunk (the rows every chunk size has
+    checked against the reference) used to be the reference of the trials: a right ``vectorized`` was
+    dropped for disagreeing with it. The eager reference rows decide: the candidate stays, and the
+    incumbent is the one dropped; the next job runs the right strategy and equals the tape."""
+    import tensorflow as tf
+
+    import worker.engine.chunk_run as chunk_run
+    from worker.engine import LinearFit
+    from worker.engine.plan import Plan
+
+    real = chunk_run.chunk_function
+
+    def wrong_inside(problem, label):
+        fn = real(problem, label)
+        if label != "tiled":
+            return fn
+
+        def rows(start, k):
+            out = fn(start, k)
+            return out if k < 3 else tf.concat([out[:1], out[1:-1] + 1.0, out[-1:]], axis=0)
+        return rows
+
+    monkeypatch.setattr(chunk_run, "chunk_function", wrong_inside)
+    model = loaded("mlp")
+    inputs = {"x": rand((16, 8), seed=3)}
+    plan = Plan(strategy="tiled")  # calibrated already: 16-row chunks at once, a trial after the second
+    tiled = plan.record("tiled")
+    tiled.status, tiled.rates, tiled.preferred_rows = "ok", {16: 1e4}, 16
+    tiled.memory, tiled.seconds = LinearFit(0.0, 1e7), LinearFit(0.0, 1e-4)
+    _, report = compute_in_memory(model, inputs, plan=plan, refine="always", memory_budget_bytes=10**9)
+    learned = report.learned
+    assert learned.record("vectorized").status == "ok", learned.record("vectorized")
+    assert learned.record("tiled").status == "disagrees" and "tiled" in report.failures
+    assert learned.strategy == "vectorized" and report.plan["trial"]["winner"] == "vectorized"
+    got, again = compute_in_memory(model, inputs, plan=learned, refine="never")
+    assert again.plan["strategy"] == "vectorized"
+    np.testing.assert_allclose(got, tape_jacobian(model, inputs, "y", "x"), rtol=0, atol=1e-5)
