@@ -8,6 +8,8 @@ message naming the fix; each side turns it into its own error type. No TensorFlo
 
 The rules (docs/ENGINE_API.md, "Request rules"):
 
+- Inputs: every signature input, with its dtype; a ``bfloat16`` input travels as ``float32`` (numpy, JSON and
+  ``.npz`` have no bfloat16: ``WIRE_DTYPES``) and the engine rounds it to bfloat16.
 - ``kind``: ``jacobian``, ``batch_jacobian`` or ``hessian``.
 - Differentiable dtypes: ``float16``, ``bfloat16``, ``float32``, ``float64``, for ``of`` and ``wrt``.
 - ``of`` may be omitted when the signature has exactly one float output; ``wrt`` when it has exactly
@@ -136,9 +138,18 @@ def fits(shape: Shape, declared: Shape) -> bool:
     return len(shape) == len(declared) and all(s is None or s == d for d, s in zip(shape, declared))
 
 
+WIRE_DTYPES = {"bfloat16": "float32"}  # how a tensor of this dtype travels (numpy has no bfloat16)
+
+
+def wire_dtype(dtype: str) -> str:
+    """The dtype a request sends for an input of ``dtype``: ``float32`` for ``bfloat16``, else ``dtype``."""
+    return WIRE_DTYPES.get(dtype, dtype)
+
+
 def check_inputs(given: Mapping[str, Described], declared: Mapping[str, Described], *, signature: str) -> None:
-    """Every declared input given, none unknown, each with the declared dtype, a shape that fits and at
-    least one element (the Jacobian of an empty input is empty)."""
+    """Every declared input given, none unknown, each with the declared dtype (or its ``wire_dtype``: float32
+    for a bfloat16 input), a shape that fits and at least one element (the Jacobian of an empty input is
+    empty)."""
     for name in sorted(given):  # sorted: both sides report the same input first
         if name not in declared:
             raise RuleViolation(f"inputs.{name}: signature {signature!r} has no input {name!r}; its inputs are: "
@@ -148,9 +159,10 @@ def check_inputs(given: Mapping[str, Described], declared: Mapping[str, Describe
             raise RuleViolation(f"inputs.{name}: required by signature {signature!r} ({spec.dtype}, shape "
                                 f"{fmt_shape(spec.shape)}); add it", field=f"inputs.{name}")
         t = given[name]
-        if t.dtype != spec.dtype:
+        if t.dtype not in (spec.dtype, wire_dtype(spec.dtype)):
+            rounded = " (rounded to bfloat16 by the worker)" if spec.dtype == "bfloat16" else ""
             raise RuleViolation(f"inputs.{name}.dtype: got {t.dtype}, the signature wants {spec.dtype}; "
-                                f"send {spec.dtype}", field=f"inputs.{name}")
+                                f"send {wire_dtype(spec.dtype)}{rounded}", field=f"inputs.{name}")
         if not fits(t.shape, spec.shape):
             raise RuleViolation(f"inputs.{name}.shape: got {fmt_shape(t.shape)}, the signature wants "
                                 f"{fmt_shape(spec.shape)} (None: any size); reshape the input", field=f"inputs.{name}")

@@ -148,3 +148,12 @@ def test_check_request_resolves_and_applies_the_kind():
 def test_result_dtype_is_the_wider_of_of_and_wrt(of_dtype, wrt_dtype, stored):
     assert rules.result_dtype(of_dtype, wrt_dtype) == stored
     assert rules.result_dtype(of_dtype, wrt_dtype, "float16") == "float16"  # output_dtype decides when given
+
+
+def test_a_bfloat16_input_travels_as_float32():
+    declared = {"x": Spec("bfloat16", (None, 3))}
+    rules.check_inputs({"x": Spec(F32, (2, 3))}, declared, signature="s")
+    rules.check_inputs({"x": Spec("bfloat16", (2, 3))}, declared, signature="s")  # in process: ml_dtypes arrays
+    message = refused("inputs.x", rules.check_inputs, {"x": Spec("float64", (2, 3))}, declared, signature="s")
+    assert "wants bfloat16; send float32 (rounded to bfloat16 by the worker)" in message
+    assert rules.wire_dtype("bfloat16") == F32 and rules.wire_dtype("float16") == "float16"

@@ -94,13 +94,14 @@ def _spec(t: Any) -> rules.Spec:
 
 
 def _convert_inputs(model: LoadedModel, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The inputs checked against the signature (``rules.check_inputs``) as ``tf.Tensor``s."""
+    """The inputs checked against the signature (``rules.check_inputs``) as ``tf.Tensor``s of its dtypes:
+    a bfloat16 input sent as float32 (``rules.wire_dtype``) is rounded to bfloat16 here."""
     import tensorflow as tf
 
     arrays = {name: np.asarray(value) for name, value in inputs.items()}
     _ruled(rules.check_inputs, {n: _spec(a) for n, a in arrays.items()},
            {n: _spec(s) for n, s in model.input_specs.items()}, signature=model.signature)
-    return {name: tf.constant(arrays[name]) for name in model.input_specs}
+    return {name: tf.cast(tf.constant(arrays[name]), spec.dtype) for name, spec in model.input_specs.items()}
 
 
 def _described(model: LoadedModel) -> dict[str, dict[str, rules.Spec]]:
