@@ -16,6 +16,8 @@ The rules (docs/ENGINE_API.md, "Request rules"):
   one float input (a variable is never guessed).
 - ``wrt: "variables/<name>"``: the full name (``:0`` optional) or a suffix that ends exactly one
   variable's name at a ``/`` (``kernel`` of the only layer that has one); the full name is returned.
+  Variables the signature reads that share a name are ``<name>@<object path>`` (``w@a``, ``w@b``); the
+  bare name is then refused as ambiguous, listing them.
 - Hessian: ``of`` must hold exactly one element by its declared shape (``()``, ``(1,)``, ``(1, 1)``,
   ...; a ``None`` dim may be anything, so it does not qualify), or ``reduce='sum'`` (any shape).
 - Batch Jacobian: ``wrt`` an input (not a variable) and ``of`` both with a batch axis (axis 0),
@@ -195,14 +197,26 @@ def _differentiable_member(field: str, name: str, specs: Mapping[str, Described]
     return name
 
 
-def find_variable(name: str, variables: Iterable[str]) -> str:
+def find_variable(name: str, variables: Iterable[str] | Mapping[str, Described]) -> str:
     """The full name of the variable ``name`` names (``variables/`` prefix and ``:0`` optional): itself,
-    or the one variable whose name ends with ``/<name>``."""
+    or the one variable whose name ends with ``/<name>``. Variables that share a name are known as
+    ``<name>@<object path>`` (``contracts.savedmodel.variable_names``); their bare name is ambiguous."""
     key = strip_variable_suffix(name.removeprefix(VARIABLE_PREFIX))
     known = list(variables)
     if key in known:
         return key
-    matches = [n for n in known if n.endswith("/" + key)]
+
+    def listed(found: list[str]) -> str:
+        specs = variables if isinstance(variables, Mapping) else {}
+        return ", ".join(f"'{VARIABLE_PREFIX}{n}'" + (f" ({specs[n].dtype} {fmt_shape(specs[n].shape)})"
+                                                      if n in specs else "") for n in sorted(found))
+
+    same = [n for n in known if n.partition("@")[0] == key]
+    if same:
+        raise RuleViolation(f"wrt: '{VARIABLE_PREFIX}{key}' is ambiguous: {len(same)} variables the signature reads "
+                            f"are named {key!r}; name one by its object path in the SavedModel: {listed(same)}",
+                            field="wrt")
+    matches = [n for n in known if n.partition("@")[0].endswith("/" + key)]
     if len(matches) == 1:
         return matches[0]
     if matches:
