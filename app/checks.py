@@ -17,7 +17,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from app.errors import InvalidRequest, NonFiniteInput, SignatureMismatch
-from app.inputs import numpy_dtype
 from contracts import rules
 from contracts.jobspec import JobOptions, Kind
 from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
@@ -117,7 +116,8 @@ def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, ar
     if any(d is None for d in of_spec.shape[1:]) or (of_spec.shape and of_spec.shape[0] is None and len(batch) != 1):
         return
     of_shape = tuple(d if d is not None else next(iter(batch)) for d in of_spec.shape)
-    wrt_shape = variables[wrt[len(VARIABLE_PREFIX):]].shape if wrt.startswith(VARIABLE_PREFIX) else arrays[wrt].shape
+    wrt_spec = variables[wrt[len(VARIABLE_PREFIX):]] if wrt.startswith(VARIABLE_PREFIX) else sig.inputs[wrt]
+    wrt_shape = wrt_spec.shape if wrt.startswith(VARIABLE_PREFIX) else arrays[wrt].shape
     if wrt_shape is None or any(d is None for d in wrt_shape):
         return
     if options.kind == Kind.hessian:
@@ -126,7 +126,7 @@ def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, ar
         elements = wrt_shape[0] * math.prod(of_shape[1:]) * math.prod(wrt_shape[1:])
     else:
         elements = math.prod(of_shape) * math.prod(wrt_shape)
-    size = elements * numpy_dtype(options.output_dtype or of_spec.dtype).itemsize
+    size = elements * np.dtype(rules.result_dtype(of_spec.dtype, wrt_spec.dtype, options.output_dtype)).itemsize
     if size > max_result_bytes:
         raise InvalidRequest(f"inputs: the result would be {size} bytes, over the limit of {max_result_bytes} "
                              "(JACOBIAN_MAX_RESULT_BYTES); use smaller inputs, kind='batch_jacobian' for "

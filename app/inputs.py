@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from app.errors import BodyTimeout, BodyTooLarge, ClientClosedRequest, InvalidRequest, MalformedBody
-from contracts import npz, storage
+from contracts import npz, rules, storage
 from contracts.jobspec import JobCreate, JobOptions, ModelRef, RequestedOptions, TensorIn
 from contracts.layout import INPUTS, job_url
 from contracts.savedmodel import Signature
@@ -105,15 +105,10 @@ def parse_npz_query(params: Mapping[str, str]) -> tuple[JobOptions, ModelRef]:
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
-    """numpy dtype for a TensorFlow/numpy dtype name (bfloat16 through ml_dtypes when installed)."""
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise InvalidRequest("dtype: bfloat16 inputs need ml_dtypes on the API host; send float32") from None
-        return np.dtype(ml_dtypes.bfloat16)
+    """The numpy dtype that carries a tensor of this TensorFlow/numpy dtype name: ``float32`` for ``bfloat16``
+    (``rules.wire_dtype``: numpy and ``.npz`` have no bfloat16; the worker rounds it to bfloat16)."""
     try:
-        return np.dtype(name)
+        return np.dtype(rules.wire_dtype(name))
     except TypeError:
         raise InvalidRequest(f"dtype: {name!r} has no numpy equivalent; this model cannot be served") from None
 

@@ -115,9 +115,10 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
     def check(described: Mapping[str, checks.Described]) -> tuple[str, str]:
         checks.check_signature(described, sig)
         of = checks.resolve_of(options.of, sig)
-        wrt = checks.resolve_wrt(options.wrt, sig, info.variables)
+        variables = info.variables_of(sig.name)
+        wrt = checks.resolve_wrt(options.wrt, sig, variables)
         checks.check_kind(options, sig, of, wrt, described)
-        checks.check_result_size(options, sig, of, wrt, described, info.variables,
+        checks.check_result_size(options, sig, of, wrt, described, variables,
                                   max_result_bytes=settings.max_result_bytes)
         return of, wrt
 

@@ -130,6 +130,10 @@ def _header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Member:
     except Exception as exc:  # noqa: BLE001 - numpy's parser raises many kinds (tokenize.TokenError too)
         raise NpzError(f"{label}: unreadable .npy header ({str(exc)[:200]})") from None
     name = info.filename.removesuffix(".npy")
+    if dtype.kind == "V" and dtype.itemsize == 2 and dtype.fields is None:
+        raise NpzDtypeRefused(f"dtype {dtype.str!r} is 2 bytes without a type, what numpy writes for a bfloat16 "
+                              "array (ml_dtypes), which an .npz cannot name; send bfloat16 inputs as float32 "
+                              "(the worker rounds them to bfloat16)", name=name)
     if dtype.kind not in NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise NpzDtypeRefused(f"dtype {dtype.str!r} is not a number or boolean type; send bool, int, uint or "
                               "float arrays", name=name)

@@ -8,16 +8,22 @@ message naming the fix; each side turns it into its own error type. No TensorFlo
 
 The rules (docs/ENGINE_API.md, "Request rules"):
 
+- Inputs: every signature input, with its dtype; a ``bfloat16`` input travels as ``float32`` (numpy, JSON and
+  ``.npz`` have no bfloat16: ``WIRE_DTYPES``) and the engine rounds it to bfloat16.
 - ``kind``: ``jacobian``, ``batch_jacobian`` or ``hessian``.
 - Differentiable dtypes: ``float16``, ``bfloat16``, ``float32``, ``float64``, for ``of`` and ``wrt``.
 - ``of`` may be omitted when the signature has exactly one float output; ``wrt`` when it has exactly
   one float input (a variable is never guessed).
 - ``wrt: "variables/<name>"``: the full name (``:0`` optional) or a suffix that ends exactly one
   variable's name at a ``/`` (``kernel`` of the only layer that has one); the full name is returned.
+  Variables the signature reads that share a name are ``<name>@<object path>`` (``w@a``, ``w@b``); the
+  bare name is then refused as ambiguous, listing them.
 - Hessian: ``of`` must hold exactly one element by its declared shape (``()``, ``(1,)``, ``(1, 1)``,
   ...; a ``None`` dim may be anything, so it does not qualify), or ``reduce='sum'`` (any shape).
 - Batch Jacobian: ``wrt`` an input (not a variable) and ``of`` both with a batch axis (axis 0),
   of equal size where both sizes are known.
+- The stored dtype (``result_dtype``): ``output_dtype`` when given, else the wider of ``of``'s and
+  ``wrt``'s dtypes, the one the derivative is computed in; bfloat16 is stored as float32.
 
 What only a run can tell (an output of unknown rank, an output batch axis of ``None``) passes here
 on the signature and is decided by the same rule on the concrete shapes in the engine.
@@ -109,6 +115,22 @@ def check_options(*, kind: str, mode: str = "auto", reduce: str | None = None,
                             f"of: {names(STORABLE_DTYPES)}", field="output_dtype")
 
 
+_FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def result_dtype(of_dtype: str, wrt_dtype: str, output_dtype: str | None = None) -> str:
+    """The dtype a result is stored in: ``output_dtype`` when given, else the wider of ``of``'s and ``wrt``'s
+    dtypes (a float16 output of a float32 input: float32, as a VJP w.r.t. it is; a float64 loss of a float32
+    input: float64), as float32 where that is bfloat16 (Zarr v3 has no bfloat16) or mixes both 16-bit kinds."""
+    if output_dtype is not None:
+        return output_dtype
+    dtypes = {of_dtype, wrt_dtype}
+    widest = max(_FLOAT_BYTES.get(d, 4) for d in dtypes)
+    if widest == 2:
+        return "float16" if dtypes == {"float16"} else "float32"
+    return "float64" if widest == 8 else "float32"
+
+
 def fits(shape: Shape, declared: Shape) -> bool:
     """``shape`` is one the ``declared`` shape admits (same rank; a ``None`` dim admits any size)."""
     if declared is None:
@@ -118,9 +140,18 @@ def fits(shape: Shape, declared: Shape) -> bool:
     return len(shape) == len(declared) and all(s is None or s == d for d, s in zip(shape, declared))
 
 
+WIRE_DTYPES = {"bfloat16": "float32"}  # how a tensor of this dtype travels (numpy has no bfloat16)
+
+
+def wire_dtype(dtype: str) -> str:
+    """The dtype a request sends for an input of ``dtype``: ``float32`` for ``bfloat16``, else ``dtype``."""
+    return WIRE_DTYPES.get(dtype, dtype)
+
+
 def check_inputs(given: Mapping[str, Described], declared: Mapping[str, Described], *, signature: str) -> None:
-    """Every declared input given, none unknown, each with the declared dtype, a shape that fits and at
-    least one element (the Jacobian of an empty input is empty)."""
+    """Every declared input given, none unknown, each with the declared dtype (or its ``wire_dtype``: float32
+    for a bfloat16 input), a shape that fits and at least one element (the Jacobian of an empty input is
+    empty)."""
     for name in sorted(given):  # sorted: both sides report the same input first
         if name not in declared:
             raise RuleViolation(f"inputs.{name}: signature {signature!r} has no input {name!r}; its inputs are: "
@@ -130,9 +161,10 @@ def check_inputs(given: Mapping[str, Described], declared: Mapping[str, Describe
             raise RuleViolation(f"inputs.{name}: required by signature {signature!r} ({spec.dtype}, shape "
                                 f"{fmt_shape(spec.shape)}); add it", field=f"inputs.{name}")
         t = given[name]
-        if t.dtype != spec.dtype:
+        if t.dtype not in (spec.dtype, wire_dtype(spec.dtype)):
+            rounded = " (rounded to bfloat16 by the worker)" if spec.dtype == "bfloat16" else ""
             raise RuleViolation(f"inputs.{name}.dtype: got {t.dtype}, the signature wants {spec.dtype}; "
-                                f"send {spec.dtype}", field=f"inputs.{name}")
+                                f"send {wire_dtype(spec.dtype)}{rounded}", field=f"inputs.{name}")
         if not fits(t.shape, spec.shape):
             raise RuleViolation(f"inputs.{name}.shape: got {fmt_shape(t.shape)}, the signature wants "
                                 f"{fmt_shape(spec.shape)} (None: any size); reshape the input", field=f"inputs.{name}")
@@ -165,14 +197,26 @@ def _differentiable_member(field: str, name: str, specs: Mapping[str, Described]
     return name
 
 
-def find_variable(name: str, variables: Iterable[str]) -> str:
+def find_variable(name: str, variables: Iterable[str] | Mapping[str, Described]) -> str:
     """The full name of the variable ``name`` names (``variables/`` prefix and ``:0`` optional): itself,
-    or the one variable whose name ends with ``/<name>``."""
+    or the one variable whose name ends with ``/<name>``. Variables that share a name are known as
+    ``<name>@<object path>`` (``contracts.savedmodel.variable_names``); their bare name is ambiguous."""
     key = strip_variable_suffix(name.removeprefix(VARIABLE_PREFIX))
     known = list(variables)
     if key in known:
         return key
-    matches = [n for n in known if n.endswith("/" + key)]
+
+    def listed(found: list[str]) -> str:
+        specs = variables if isinstance(variables, Mapping) else {}
+        return ", ".join(f"'{VARIABLE_PREFIX}{n}'" + (f" ({specs[n].dtype} {fmt_shape(specs[n].shape)})"
+                                                      if n in specs else "") for n in sorted(found))
+
+    same = [n for n in known if n.partition("@")[0] == key]
+    if same:
+        raise RuleViolation(f"wrt: '{VARIABLE_PREFIX}{key}' is ambiguous: {len(same)} variables the signature reads "
+                            f"are named {key!r}; name one by its object path in the SavedModel: {listed(same)}",
+                            field="wrt")
+    matches = [n for n in known if n.partition("@")[0].endswith("/" + key)]
     if len(matches) == 1:
         return matches[0]
     if matches:

@@ -2,8 +2,13 @@
 
 A tiny protobuf wire-format decoder walks only the fields needed: ``SavedModel.meta_graphs[0]``
 -> ``MetaGraphDef.signature_def`` (inputs/outputs: ``TensorInfo`` name, dtype, shape) and
-``MetaGraphDef.object_graph_def`` (``SavedObject.variable``: name, dtype, shape). The graph
-itself (``graph_def``, usually the bulk of the file) is skipped, not parsed.
+``MetaGraphDef.object_graph_def`` (``SavedObject.variable``: name, dtype, shape; the children of
+each object, for object paths; the variables each signature's function captures, its
+``bound_inputs``). The graph itself (``graph_def``, usually the bulk of the file) is skipped.
+
+A signature's variables are named as requests name them (``variable_names``): by their name, or,
+where several variables the signature reads share a name, ``<name>@<object path>`` (the path of
+attributes from the root, ``a.w``, first in breadth-first order), which the engine gives them too.
 
 Field numbers are those of ``tensorflow/core/protobuf/{saved_model,meta_graph,
 saved_object_graph}.proto`` and ``tensorflow/core/framework/{tensor_shape,types}.proto``.
@@ -38,10 +43,14 @@ _TI_NAME, _TI_DTYPE, _TI_SHAPE = 1, 2, 3
 # TensorShapeProto / Dim
 _TS_DIM, _TS_UNKNOWN_RANK = 2, 3
 _DIM_SIZE = 1
-# SavedObjectGraph / SavedObject / SavedVariable
-_OG_NODES = 1
-_SO_VARIABLE = 7
+# SavedObjectGraph / SavedObject / ObjectReference / SavedVariable / SavedBareConcreteFunction / SavedConcreteFunction
+_OG_NODES, _OG_CONCRETE_FUNCTIONS = 1, 2
+_SO_CHILDREN, _SO_VARIABLE, _SO_BARE_CONCRETE_FUNCTION = 1, 7, 8
+_OR_NODE_ID, _OR_LOCAL_NAME = 1, 2
 _SV_DTYPE, _SV_SHAPE, _SV_NAME = 1, 2, 6
+_SBCF_NAME = 1
+_SCF_BOUND_INPUTS = 2
+_SIGNATURES_CHILD = "signatures"
 
 # tensorflow.DataType -> numpy dtype name (reference types DT_*_REF are these + 100).
 DTYPES: dict[int, str] = {
@@ -96,10 +105,16 @@ class Signature:
 
 @dataclass(frozen=True)
 class SavedModelInfo:
-    """What the API needs from a SavedModel: every signature and every variable (by name)."""
+    """What the API needs from a SavedModel: every signature, every variable (by name, the first of a name),
+    and per signature the variables it reads (``variable_names``), where ``bound_inputs`` tell them."""
 
     signatures: dict[str, Signature]
     variables: dict[str, TensorSpec] = field(default_factory=dict)
+    signature_variables: dict[str, dict[str, TensorSpec]] = field(default_factory=dict)
+
+    def variables_of(self, signature: str) -> dict[str, TensorSpec]:
+        """The variables ``signature`` reads, as requests name them; every variable when that is not known."""
+        return self.signature_variables.get(signature, self.variables)
 
     def signature(self, name: str) -> Signature:
         """The signature ``name``; raises ``SignatureNotFound`` (listing the public ones)."""
@@ -115,7 +130,7 @@ class SavedModelInfo:
         return {
             "inputs": {k: v.to_dict() for k, v in sig.inputs.items()},
             "outputs": {k: v.to_dict() for k, v in sig.outputs.items()},
-            "variables": {k: v.to_dict() for k, v in self.variables.items()},
+            "variables": {k: v.to_dict() for k, v in self.variables_of(name).items()},
         }
 
 
@@ -218,26 +233,87 @@ def _signature(name: str, buf: memoryview) -> Signature:
     return Signature(name=name, inputs=inputs, outputs=outputs, method_name=method)
 
 
-def _variables(buf: memoryview) -> dict[str, TensorSpec]:
-    out: dict[str, TensorSpec] = {}
-    for number, wire, node in _fields(buf):
+def variable_names(variables: list[tuple[str, str]]) -> list[str]:
+    """How requests name each of ``(name, object path)``: ``name``, or ``name@path`` where names repeat."""
+    counts: dict[str, int] = {}
+    for name, _ in variables:
+        counts[name] = counts.get(name, 0) + 1
+    return [name if counts[name] == 1 else f"{name}@{path}" for name, path in variables]
+
+
+def _ints(wire: int, value: Any) -> list[int]:
+    """A repeated int32 field: one varint, or a packed run of them."""
+    if wire == 0:
+        return [value]
+    out, pos = [], 0
+    while pos < len(value):
+        v, pos = _varint(value, pos)
+        out.append(v)
+    return out
+
+
+def _variable(buf: memoryview) -> TensorSpec:
+    name, dtype, vshape = "", 0, ()
+    for vn, vw, vv in _fields(buf):
+        if vn == _SV_DTYPE and vw == 0:
+            dtype = vv
+        elif vn == _SV_SHAPE and vw == 2:
+            vshape = _shape(vv)
+        elif vn == _SV_NAME and vw == 2:
+            name = strip_variable_suffix(bytes(vv).decode())
+    return TensorSpec(name=name, dtype=_dtype(dtype), shape=vshape)
+
+
+def _object_graph(buf: memoryview) -> tuple[dict[str, TensorSpec], dict[str, dict[str, TensorSpec]]]:
+    """Every variable by name (the first of a name), and per signature the variables its function captures."""
+    nodes: list[tuple[list[tuple[str, int]], TensorSpec | None, str | None]] = []  # children, variable, function
+    bound: dict[str, list[int]] = {}
+    for number, wire, value in _fields(buf):
+        if number == _OG_CONCRETE_FUNCTIONS and wire == 2:
+            key, fn = _map_entry(value)
+            bound[key] = [i for n, w, v in _fields(fn) if n == _SCF_BOUND_INPUTS for i in _ints(w, v)]
         if number != _OG_NODES or wire != 2:
             continue
-        for n, w, var in _fields(node):
-            if n != _SO_VARIABLE or w != 2:
-                continue
-            name, dtype, vshape = "", 0, ()
-            for vn, vw, vv in _fields(var):
-                if vn == _SV_DTYPE and vw == 0:
-                    dtype = vv
-                elif vn == _SV_SHAPE and vw == 2:
-                    vshape = _shape(vv)
-                elif vn == _SV_NAME and vw == 2:
-                    name = bytes(vv).decode()
-            name = strip_variable_suffix(name)
-            if name and name not in out:  # one variable is often reachable from several nodes
-                out[name] = TensorSpec(name=name, dtype=_dtype(dtype), shape=vshape)
-    return out
+        children, variable, function = [], None, None
+        for n, w, v in _fields(value):
+            if n == _SO_CHILDREN and w == 2:
+                ref = {rn: rv for rn, rw, rv in _fields(v)}
+                children.append((bytes(ref.get(_OR_LOCAL_NAME, b"")).decode(), int(ref.get(_OR_NODE_ID, 0))))
+            elif n == _SO_VARIABLE and w == 2:
+                variable = _variable(v)
+            elif n == _SO_BARE_CONCRETE_FUNCTION and w == 2:
+                function = next((bytes(fv).decode() for fn_, fw, fv in _fields(v) if fn_ == _SBCF_NAME), None)
+        nodes.append((children, variable, function))
+    everything: dict[str, TensorSpec] = {}
+    for _, variable, _ in nodes:  # one variable is often saved twice (Keras: 'variables', '_all_variables')
+        if variable is not None and variable.name and variable.name not in everything:
+            everything[variable.name] = variable
+    paths = _object_paths(nodes)
+    per_signature: dict[str, dict[str, TensorSpec]] = {}
+    signatures = dict(nodes[0][0]).get(_SIGNATURES_CHILD) if nodes else None
+    for key, node_id in (nodes[signatures][0] if signatures is not None and signatures < len(nodes) else []):
+        function = nodes[node_id][2] if node_id < len(nodes) else None
+        if function is None or function not in bound:
+            continue
+        read = [(nodes[i][1], paths.get(i, str(i))) for i in dict.fromkeys(bound[function])
+                if i < len(nodes) and nodes[i][1] is not None]
+        names = variable_names([(v.name, path) for v, path in read])
+        per_signature[key] = {name: TensorSpec(name=name, dtype=v.dtype, shape=v.shape)
+                              for name, (v, _) in zip(names, read)}
+    return everything, per_signature
+
+
+def _object_paths(nodes: list[tuple[list[tuple[str, int]], Any, Any]]) -> dict[int, str]:
+    """Each node's object path from the root (node 0): local names joined by ``.``, the first path found
+    breadth-first with children in their saved order."""
+    paths: dict[int, str] = {0: ""} if nodes else {}
+    queue = [0] if nodes else []
+    for node in queue:
+        for local, child in nodes[node][0]:
+            if child not in paths and 0 <= child < len(nodes):
+                paths[child] = f"{paths[node]}.{local}" if paths[node] else local
+                queue.append(child)
+    return paths
 
 
 def parse_saved_model(data: bytes) -> SavedModelInfo:
@@ -252,13 +328,14 @@ def parse_saved_model(data: bytes) -> SavedModelInfo:
         raise SavedModelError("no meta graph in saved_model.pb")
     signatures: dict[str, Signature] = {}
     variables: dict[str, TensorSpec] = {}
+    per_signature: dict[str, dict[str, TensorSpec]] = {}
     for number, wire, value in _fields(meta_graph):
         if number == _MG_SIGNATURE_DEF and wire == 2:
             key, sig = _map_entry(value)
             signatures[key] = _signature(key, sig)
         elif number == _MG_OBJECT_GRAPH_DEF and wire == 2:
-            variables = _variables(value)
-    return SavedModelInfo(signatures=signatures, variables=variables)
+            variables, per_signature = _object_graph(value)
+    return SavedModelInfo(signatures=signatures, variables=variables, signature_variables=per_signature)
 
 
 def strip_variable_suffix(name: str) -> str:

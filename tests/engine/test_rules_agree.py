@@ -93,7 +93,28 @@ def two_inputs_model(path: Path) -> Path:
     return path
 
 
-BUILDERS = {"shapes": shapes_model, "fixed": fixed_model, "two": two_inputs_model}
+def twins_model(path: Path) -> Path:
+    """Two variables named ``w``: ``a`` (2,) and ``b`` (1, 3); ``unread`` is saved but never read. ``x`` (None, 2)
+    -> ``y = tanh(x a) 1 * b`` (None, 3)."""
+    import tensorflow as tf
+
+    class Twins(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = tf.Variable([1.0, -2.0], name="w")
+            self.b = tf.Variable([[0.5, -1.0, 2.0]], name="w")
+            self.unread = tf.Variable(3.0, name="unread")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32, name="x")])
+        def __call__(self, x):
+            return {"y": tf.tanh(x * self.a) @ tf.ones([2, 3]) * self.b}
+
+    m = Twins()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
+BUILDERS = {"shapes": shapes_model, "fixed": fixed_model, "two": two_inputs_model, "twins": twins_model}
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +191,11 @@ CASES = [
     ("wrt variable missing", "shapes", shapes_inputs(), {"of": "y", "wrt": "variables/nope"}, "wrt"),
     ("wrt variable suffix not at a /", "shapes", shapes_inputs(), {"of": "y", "wrt": "variables/ense/kernel"}, "wrt"),
     ("wrt integer variable", "shapes", shapes_inputs(), {"of": "y", "wrt": "variables/step"}, "wrt"),
+    # two variables of one name: each by its object path, the bare name ambiguous; one the signature never reads
+    ("wrt two variables of one name", "twins", {"x": tensor((2, 2))}, {"wrt": "variables/w"}, "wrt"),
+    *[(f"wrt variable w at {at}", "twins", {"x": tensor((2, 2))}, {"wrt": f"variables/w@{at}"},
+       (ACCEPT, "y", f"variables/w@{at}")) for at in ("a", "b")],
+    ("wrt a variable the signature never reads", "twins", {"x": tensor((2, 2))}, {"wrt": "variables/unread"}, "wrt"),
     # dtypes
     ("wrt int32 input", "shapes", shapes_inputs(), {"of": "y", "wrt": "ids"}, "wrt"),
     ("wrt bool input", "shapes", shapes_inputs(), {"of": "y", "wrt": "mask"}, "wrt"),
@@ -244,7 +270,7 @@ def test_the_route_and_check_request_agree(root, tmp_path):
         info = read_saved_model(root / model)
         sig = info.signature("serving_default")
         try:
-            got = (ACCEPT, *checks.check_request(JobOptions(**options), sig, inputs, info.variables,
+            got = (ACCEPT, *checks.check_request(JobOptions(**options), sig, inputs, info.variables_of(sig.name),
                                                  max_result_bytes=1 << 40))
         except SignatureMismatch as err:
             got = err.field
@@ -287,3 +313,23 @@ def test_a_unique_suffix_differentiates_that_variable(engine_model):
     want, _ = compute_in_memory(model, inputs, of="y", wrt="variables/dense/bias")
     got, _ = compute_in_memory(model, inputs, of="y", wrt="variables/bias")
     np.testing.assert_array_equal(got, want)
+
+
+def test_two_variables_of_one_name_are_named_by_their_object_paths(root, tmp_path, engine_model):
+    """The first of two variables called ``w`` silently won. The bare name is ambiguous on both sides, the
+    message naming each and how to address it; each, so addressed, is the variable at that path."""
+    import tensorflow as tf
+
+    model, inputs = engine_model("twins"), {"x": tensor((2, 2))}
+    _, message = api_verdict(root, tmp_path, "twins", inputs, {"wrt": "variables/w"})
+    assert message == ("wrt: 'variables/w' is ambiguous: 2 variables the signature reads are named 'w'; name one by "
+                       "its object path in the SavedModel: 'variables/w@a' (float32 [2]), 'variables/w@b' "
+                       "(float32 [1, 3])"), message
+    assert read_saved_model(root / "twins").describe("serving_default")["variables"] == {
+        "w@a": {"dtype": "float32", "shape": [2]}, "w@b": {"dtype": "float32", "shape": [1, 3]}}
+    for at in ("a", "b"):
+        got, _ = compute_in_memory(model, inputs, wrt=f"variables/w@{at}")
+        variable = getattr(model.loaded, at)
+        with tf.GradientTape() as tape:
+            y = model.fn(x=tf.constant(inputs["x"]))["y"]
+        np.testing.assert_allclose(got, tape.jacobian(y, variable).numpy(), rtol=1e-6)

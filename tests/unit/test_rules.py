@@ -139,3 +139,21 @@ def test_check_request_resolves_and_applies_the_kind():
     assert got == rules.Resolved("loss", "variables/d0/bias", (), (4,)) and got.wrt_is_variable
     refused("of", rules.check_request, kind="hessian", of="y", wrt=None, reduce=None, inputs=INPUTS,
             outputs=OUTPUTS, variables=VARIABLES, signature="s")
+
+
+@pytest.mark.parametrize("of_dtype,wrt_dtype,stored", [
+    ("float32", "float32", "float32"), ("float16", "float32", "float32"), ("float32", "float16", "float32"),
+    ("float64", "float32", "float64"), ("float16", "float16", "float16"), ("bfloat16", "bfloat16", "float32"),
+    ("float16", "bfloat16", "float32"), ("bfloat16", "float64", "float64")])
+def test_result_dtype_is_the_wider_of_of_and_wrt(of_dtype, wrt_dtype, stored):
+    assert rules.result_dtype(of_dtype, wrt_dtype) == stored
+    assert rules.result_dtype(of_dtype, wrt_dtype, "float16") == "float16"  # output_dtype decides when given
+
+
+def test_a_bfloat16_input_travels_as_float32():
+    declared = {"x": Spec("bfloat16", (None, 3))}
+    rules.check_inputs({"x": Spec(F32, (2, 3))}, declared, signature="s")
+    rules.check_inputs({"x": Spec("bfloat16", (2, 3))}, declared, signature="s")  # in process: ml_dtypes arrays
+    message = refused("inputs.x", rules.check_inputs, {"x": Spec("float64", (2, 3))}, declared, signature="s")
+    assert "wants bfloat16; send float32 (rounded to bfloat16 by the worker)" in message
+    assert rules.wire_dtype("bfloat16") == F32 and rules.wire_dtype("float16") == "float16"

@@ -37,6 +37,8 @@ def test_signatures_match_tensorflow(model_root, name):
         for var in fn.variables:
             mine = info.variables[strip_variable_suffix(var.name)]
             assert (mine.dtype, mine.shape) == (var.dtype.name, tuple(var.shape.as_list()))
+        # the variables the signature reads (its function's bound inputs), as the engine knows them
+        assert set(info.variables_of(key)) == {strip_variable_suffix(v.name) for v in fn.variables}
 
 
 @pytest.mark.parametrize("name", models.API_MODELS)
@@ -139,3 +141,9 @@ def test_module_imports_no_tensorflow():
 
     code = "import contracts.savedmodel, sys; assert 'tensorflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_variables_that_share_a_name_are_named_by_object_path():
+    from contracts.savedmodel import variable_names
+
+    assert variable_names([("w", "a"), ("v", "c"), ("w", "layer.b")]) == ["w@a", "v", "w@layer.b"]

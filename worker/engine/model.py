@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts import rules
-from contracts.savedmodel import Shape, strip_variable_suffix
+from contracts.savedmodel import Shape, strip_variable_suffix, variable_names
 from worker.engine.errors import InvalidRequest, NotDifferentiable
 
 
@@ -83,7 +83,8 @@ class LoadedModel:
         """The variable called ``name`` and its full name (``contracts.rules.find_variable``: ``:0``
         optional; a unique suffix such as ``kernel`` of one layer works); raises InvalidRequest."""
         try:
-            full = rules.find_variable(name, self.variables)
+            full = rules.find_variable(name, {n: rules.Spec(v.dtype.name, shape_tuple(v.shape))
+                                              for n, v in self.variables.items()})
         except rules.RuleViolation as err:
             raise InvalidRequest(str(err), field=err.field) from None
         return full, self.variables[full]
@@ -117,13 +118,46 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
         raise NotDifferentiable(f"model.signature: {signature!r} does not return a dict of named outputs",
                                 field="model.signature")
     output_specs = {name: tf.TensorSpec(t.shape, t.dtype, name) for name, t in outputs.items()}
-    variables = {}
-    for v in fn.variables:
-        name = strip_variable_suffix(v.name)  # as the API names it (contracts.savedmodel)
-        variables.setdefault(name, v)
     return LoadedModel(path=str(path), signature=signature, loaded=loaded, fn=fn, input_specs=input_specs,
-                       output_specs=output_specs, variables=variables, fingerprint=model_fingerprint(path),
+                       output_specs=output_specs, variables=_named_variables(loaded, fn.variables),
+                       fingerprint=model_fingerprint(path),
                        graph_ops=_graph_ops(fn))
+
+
+def _named_variables(loaded: Any, captured: Any) -> dict[str, Any]:
+    """The variables the signature reads, named as requests name them (``contracts.savedmodel.variable_names``,
+    as the API does): by name, or ``<name>@<object path>`` where several share a name."""
+    unique = list({id(v): v for v in captured}.values())
+    names = [strip_variable_suffix(v.name) for v in unique]
+    if len(set(names)) == len(names):
+        return dict(zip(names, unique))
+    paths = _object_paths(loaded, {id(v) for v, n in zip(unique, names) if names.count(n) > 1})
+    return dict(zip(variable_names([(n, paths.get(id(v), "?")) for v, n in zip(unique, names)]), unique))
+
+
+def _object_paths(root: Any, wanted: set[int]) -> dict[int, str]:
+    """``id(object) -> object path`` from ``root`` for the ``wanted`` objects: local names joined by ``.``, the
+    first path found breadth-first with children in their order (as ``contracts.savedmodel`` reads the file)."""
+    import tensorflow as tf
+
+    view = tf.train.TrackableView(root)
+    paths: dict[int, str] = {id(root): ""}
+    queue, found = [root], {}
+    for obj in queue:
+        try:
+            children = view.children(obj)
+        except Exception:  # noqa: BLE001 - an object that cannot list its children has none to walk
+            continue
+        for local, child in children.items():
+            if id(child) in paths:
+                continue
+            paths[id(child)] = f"{paths[id(obj)]}.{local}" if paths[id(obj)] else str(local)
+            if id(child) in wanted:
+                found[id(child)] = paths[id(child)]
+                if len(found) == len(wanted):
+                    return found
+            queue.append(child)
+    return found
 
 
 def _graph_ops(fn: Any) -> int:

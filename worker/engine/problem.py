@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from contracts import rules
-from contracts.jobspec import STORABLE_DTYPES
 from contracts.layout import ResultLayout
 from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
 from worker.engine.model import LoadedModel, shape_tuple
@@ -39,8 +38,8 @@ class Problem:
     reduce: str | None
     of_shape: tuple[int, ...]       # shape of `of` (before reduce)
     wrt_shape: tuple[int, ...]
-    dtype: str                      # stored result dtype
-    compute_dtype: str
+    dtype: str                      # stored result dtype (``rules.result_dtype``)
+    of_dtype: str                   # ``of``'s dtype: the dtype of cotangents
     layout: ResultLayout
 
     @property
@@ -95,13 +94,14 @@ def _spec(t: Any) -> rules.Spec:
 
 
 def _convert_inputs(model: LoadedModel, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The inputs checked against the signature (``rules.check_inputs``) as ``tf.Tensor``s."""
+    """The inputs checked against the signature (``rules.check_inputs``) as ``tf.Tensor``s of its dtypes:
+    a bfloat16 input sent as float32 (``rules.wire_dtype``) is rounded to bfloat16 here."""
     import tensorflow as tf
 
     arrays = {name: np.asarray(value) for name, value in inputs.items()}
     _ruled(rules.check_inputs, {n: _spec(a) for n, a in arrays.items()},
            {n: _spec(s) for n, s in model.input_specs.items()}, signature=model.signature)
-    return {name: tf.constant(arrays[name]) for name in model.input_specs}
+    return {name: tf.cast(tf.constant(arrays[name]), spec.dtype) for name, spec in model.input_specs.items()}
 
 
 def _described(model: LoadedModel) -> dict[str, dict[str, rules.Spec]]:
@@ -183,32 +183,54 @@ def error_summary(err: BaseException) -> str:
     return line if line.split(":")[0].endswith(("Error", "Exception")) else f"{type(err).__name__}: {line}"
 
 
-def _forward_agrees(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: str) -> str | None:
-    """Dot-product test of TensorFlow's forward mode on this model: ``sum(J t) == <J^T 1, t>``.
+FORWARD_TEST_PAIRS = 3   # random (tangent, cotangent) pairs of the forward-mode test
+
+
+def _dot_test_tolerance(*dtypes: str) -> float:
+    """Relative tolerance of one dot-product test (of ``|J t| + |J^T u|``): 16-bit floats round more."""
+    return 3e-2 if {"float16", "bfloat16"} & set(dtypes) else 1e-3
+
+
+def _forward_agrees(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: str, *,
+                    pairs: int = FORWARD_TEST_PAIRS, seed: int = 1) -> str | None:
+    """Dot-product test of TensorFlow's forward mode against its reverse mode on this model:
+    ``<u, J t> == <J^T u, t>`` for ``pairs`` random tangents ``t`` and cotangents ``u``.
 
     Some SavedModels break forward mode inside TensorFlow (an error, e.g. integer gathers) or,
-    worse, silently (zero JVPs w.r.t. variables captured by a loaded function). Returns why
-    forward mode cannot be trusted here, or None when it agrees with reverse mode.
+    worse, silently (zero JVPs w.r.t. variables captured by a loaded function). Random cotangents,
+    unlike all-ones, also see outputs whose sum is constant (softmax, ``[h, -h]``): there ``J^T 1``
+    is 0, so a zero JVP passed, and both sides were rounding noise that could fail a correct one.
+    With standard normal ``u`` and ``t`` both sides are of the order of ``|J t|`` and ``|J^T u|``
+    (whatever the sizes), and a JVP that is wrong misses by as much: the sides must agree within
+    ``_dot_test_tolerance`` of ``|J t| + |J^T u|``. A side that is not finite fails the test too: at an
+    infinite derivative (``sqrt`` at 0) a JVP spreads ``0 * inf = NaN`` over rows where the reverse mode
+    (GradientTape's) has 0. Returns why forward mode cannot be trusted here, or None.
     """
     import tensorflow as tf
 
     target = _wrt_target(model, inputs, wrt)
-    tangent = tf.constant(np.random.default_rng(1).standard_normal(target.shape), dtype=target.dtype)
-    try:
-        with tf.autodiff.ForwardAccumulator(target, tangent) as acc:
-            y = model.fn(**inputs)[of]
-        jvp = acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        with tf.GradientTape() as tape:
-            tape.watch(target)
-            s = tf.reduce_sum(model.fn(**inputs)[of])
-        vjp = tf.convert_to_tensor(tape.gradient(s, target))
-    except Exception as err:  # noqa: BLE001 - any failure means: forward mode unusable here
-        return error_summary(err)
-    fwd = float(tf.reduce_sum(tf.cast(jvp, tf.float64)))
-    rev = float(tf.reduce_sum(tf.cast(vjp, tf.float64) * tf.cast(tangent, tf.float64)))
-    scale = max(abs(rev), abs(fwd), 1e-30)
-    if abs(fwd - rev) > 1e-3 * scale:
-        return f"its JVP disagrees with the VJP (dot-product test: {fwd:.6g} vs {rev:.6g})"
+    rng = np.random.default_rng(seed)
+    for _ in range(pairs):
+        tangent = tf.cast(tf.constant(rng.standard_normal(target.shape)), target.dtype)
+        try:
+            with tf.autodiff.ForwardAccumulator(target, tangent) as acc:
+                y = model.fn(**inputs)[of]
+            jvp = acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            cotangent = tf.cast(tf.constant(rng.standard_normal(y.shape)), y.dtype)
+            with tf.GradientTape() as tape:  # not persistent: see strategies._row_fn
+                tape.watch(target)
+                y = model.fn(**inputs)[of]
+            vjp = tf.convert_to_tensor(tape.gradient(y, target, output_gradients=cotangent))
+        except Exception as err:  # noqa: BLE001 - any failure means: forward mode unusable here
+            return error_summary(err)
+        u, jt, t, jtu = (np.asarray(tf.cast(v, tf.float64)).ravel() for v in (cotangent, jvp, tangent, vjp))
+        fwd, rev = float(u @ jt), float(jtu @ t)
+        if not (np.isfinite(fwd) and np.isfinite(rev)):
+            return (f"the derivative is not finite at these inputs (dot-product test <u, J t> vs <J^T u, t>: "
+                    f"{fwd:.6g} vs {rev:.6g}), where forward mode gives NaN for reverse mode's zeros")
+        scale = float(np.linalg.norm(jt) + np.linalg.norm(jtu)) * _dot_test_tolerance(y.dtype.name, target.dtype.name)
+        if abs(fwd - rev) > scale:
+            return f"its JVP disagrees with the VJP (dot-product test <u, J t> vs <J^T u, t>: {fwd:.6g} vs {rev:.6g})"
     return None
 
 
@@ -226,7 +248,7 @@ def verify_independence(problem: Problem, *, tolerance: float = 1e-5, seed: int 
     x = problem.inputs[problem.wrt]
     rng = np.random.default_rng(seed)
     for example in sorted({0, batch - 1}):
-        u = np.zeros(problem.of_shape, dtype=problem.compute_dtype)
+        u = np.zeros(problem.of_shape, dtype=problem.of_dtype)
         u[example] = rng.standard_normal(problem.of_shape[1:])
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -267,10 +289,10 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
         mode, of_shape, wrt_shape = checked["mode"], tuple(checked["of_shape"]), tuple(checked["wrt_shape"])
     else:
         mode, of_shape, wrt_shape = _check_request(model, tensors, of, wrt, kind, mode, reduce)
-    dtype = output_dtype or (out_dtype if out_dtype in STORABLE_DTYPES else "float32")
+    dtype = rules.result_dtype(out_dtype, _wrt_target(model, tensors, wrt).dtype.name, output_dtype)
     itemsize = np.dtype(dtype).itemsize
     problem = Problem(model=model, inputs=tensors, of=of, wrt=wrt, kind=kind, mode=mode, reduce=reduce,
-                      of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, compute_dtype=out_dtype,
+                      of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, of_dtype=out_dtype,
                       layout=_layout(kind, mode, of_shape, wrt_shape, itemsize))
     if kind == "batch_jacobian" and check_independence and not trusted:
         verify_independence(problem)

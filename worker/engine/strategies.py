@@ -70,7 +70,7 @@ class ChunkKey:
 def _seed_dtype(problem: Problem) -> str:
     """Cotangents take ``of``'s dtype; tangents and Hessian-vector seeds take ``wrt``'s."""
     if problem.mode == "reverse" and problem.kind != "hessian":
-        return problem.compute_dtype
+        return problem.of_dtype
     var = problem.wrt_variable
     return (var.dtype if var is not None else problem.inputs[problem.wrt].dtype).name
 

@@ -154,8 +154,8 @@ def maybe_trial(run: ChunkRun, applicable: list[str], *, rows_left: int, seconds
 def run_trial(run: ChunkRun, candidate: str) -> None:
     """Time ``candidate`` against the incumbent on the incumbent's last chunk (recomputed, not kept).
 
-    The candidate first runs a quarter of that chunk (compile, memory reading, rows checked against
-    the incumbent's), then the largest power-of-two share of it whose proportional peak stays under
+    The candidate first runs a quarter of that chunk (compile, memory reading, rows checked by
+    ``_rows_hold``), then the largest power-of-two share of it whose proportional peak stays under
     the job's memory plan, then ``TRIAL_PAIRS`` interleaved pairs decide (``tuning.candidate_wins``),
     each timed call after an untimed one of the same strategy.
     """
@@ -173,9 +173,7 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
         if run.budget is not None and record.peak_unseen:
             trial["result"] = "ruled out: its memory is invisible to the allocator statistics, under a budget"
             return
-        if not rows_agree(rows, ref[:k_small]):
-            record.status, record.reason = "disagrees", "disagrees with the incumbent's rows"
-            trial["result"] = record.reason
+        if not _rows_hold(run, trial, candidate, start, rows, ref):
             return
         # The job's chunk size, unless the candidate's proportional peak would pass the job's memory
         # plan there (a budget set: the incumbent's own chunk peak, so a trial never peaks above it).
@@ -190,9 +188,7 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
                 return
         if k_c != k_small:
             rows, _, _, _ = run.call(candidate, start, k_c)
-            if not rows_agree(rows, ref[:k_c]):
-                record.status, record.reason = "disagrees", "disagrees with the incumbent's rows"
-                trial["result"] = record.reason
+            if not _rows_hold(run, trial, candidate, start, rows, ref):
                 return
         inc_times, cand_times, peaks = [], [], []
         for _ in range(tuning.TRIAL_PAIRS):
@@ -218,7 +214,7 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
         run.failures[candidate] = record.reason
         trial["result"] = f"failed: {record.reason}"
         return
-    record.status = "ok"  # its rows agreed with the incumbent's, which agree with the eager rows
+    record.status = "ok"  # its rows agreed with the eager reference rows and with the incumbent's
     record.rates[k_c] = round(1.0 / float(np.median(cand_times)), 3)
     if record.compile_s is not None:
         record.compile_s = round(max(record.compile_s - float(np.median(cand_times)) * k_small, 0.0), 3)
@@ -236,3 +232,53 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
         cal.calls[k_c] = 2
         cal.seconds[k_c] = float(np.median(cand_times)) * k_c
         cal.peaks[k_c] = max(peaks)
+
+
+def _rows_hold(run: ChunkRun, trial: dict[str, Any], candidate: str, start: int, rows: np.ndarray,
+               ref: np.ndarray) -> bool:
+    """Whether the trial goes on with the candidate's ``rows`` from row ``start`` (``ref``: the incumbent's).
+
+    The eager reference rows are the reference, not the incumbent: the candidate's first and last rows
+    are checked against them as every chunk size is (``ChunkRun.verify``), then its rows against the
+    incumbent's; where those differ, the reference row where they differ most tells which is wrong. A
+    wrong candidate is dropped. A wrong incumbent (right at the rows its own chunk sizes had checked,
+    wrong between them) is dropped, and the candidate takes over now; rows it handed on before are not
+    computed again.
+    """
+    wrong, why = None, "disagrees with the eager reference rows"
+    if not run.verify(candidate, start, rows, len(rows)):
+        wrong = candidate
+    elif not rows_agree(rows, ref[:len(rows)]):
+        i = _worst_row(rows, ref[:len(rows)])
+        want = run.eager_row(start + i)
+        if want is None:  # no reference here: the incumbent's rows decide
+            wrong, why = candidate, "disagrees with the incumbent's rows"
+        elif not rows_agree(rows[i], want):
+            wrong = candidate
+        elif not rows_agree(ref[i], want):
+            wrong, why = trial["incumbent"], f"row {start + i} {why} (found by a trial of {candidate})"
+    if wrong is None:
+        return True
+    loser = run.plan.record(wrong)
+    loser.status, loser.reason = "disagrees", why
+    trial["result"] = f"{wrong} {why}"
+    if wrong == candidate:
+        return False
+    run.failures[wrong] = why
+    log.warning("strategy %s %s: %s takes over; the rows it handed on before are not computed again", wrong, why,
+                candidate)
+    run.plan.record(candidate).status = "ok"
+    run.plan.strategy, run.plan.source = candidate, "trial"
+    trial["winner"] = candidate
+    return False
+
+
+def _worst_row(got: np.ndarray, want: np.ndarray) -> int:
+    """The row where ``got`` and ``want`` differ most: a NaN or infinity in one place only first."""
+    a = np.asarray(got, np.float64).reshape(len(got), -1)
+    b = np.asarray(want, np.float64).reshape(len(want), -1)
+    unlike = (np.isnan(a) != np.isnan(b)) | ((np.isinf(a) | np.isinf(b)) & (a != b))
+    if unlike.any():
+        return int(np.argmax(unlike.any(axis=1)))
+    finite = np.isfinite(a) & np.isfinite(b)
+    return int(np.argmax(np.where(finite, np.abs(a - b), 0.0).max(axis=1)))

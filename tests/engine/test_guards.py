@@ -1,0 +1,132 @@
+"""The engine's guards against a silently wrong result: the forward-mode test before a job, and the eager
+reference rows that decide the strategy trials."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import rand
+from tests.engine.reference import tape_jacobian
+from worker.engine import compute_in_memory
+
+
+@pytest.fixture(scope="module")
+def constant_sum(tmp_path_factory):
+    """Outputs whose sum does not depend on anything (``J^T 1 = 0``): ``y = [h, -h]`` with ``h = tanh(x w)``,
+    and ``p = softmax(x w)``; ``x`` (None, 2), ``w`` (2, 3) a variable."""
+    import tensorflow as tf
+
+    from worker.engine import load_model
+
+    class ConstantSum(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(rand((2, 3)), name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32, name="x")])
+        def __call__(self, x):
+            h = tf.tanh(x @ self.w)
+            return {"y": tf.concat([h, -h], axis=1), "p": tf.nn.softmax(x @ self.w)}
+
+    path = tmp_path_factory.mktemp("guards") / "constant_sum"
+    module = ConstantSum()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
+    return load_model(str(path))
+
+
+def test_forward_mode_of_a_softmax_is_not_refused(constant_sum):
+    """With an all-ones cotangent both sides of the dot-product test were rounding noise (``J^T 1 = 0``), and
+    a correct forward mode was refused; random cotangents test it."""
+    inputs = {"x": rand((8, 2), seed=1)}
+    got, report = compute_in_memory(constant_sum, inputs, of="p", wrt="x", mode="forward")
+    assert report.plan["mode"] == "forward" and not report.failures, report.failures
+    np.testing.assert_allclose(got, tape_jacobian(constant_sum, inputs, "p", "x"), rtol=0, atol=1e-6)
+
+
+def test_a_wrong_jvp_that_keeps_the_sum_is_caught(constant_sum, monkeypatch):
+    """A JVP that is wrong but keeps ``sum(J t)`` (here: its rows in reverse order) passed the all-ones
+    test; random cotangents see it, and ``auto`` runs in reverse mode (right), ``forward`` is refused."""
+    import tensorflow as tf
+
+    from worker.engine import NotDifferentiable, build_problem
+
+    jvp = tf.autodiff.ForwardAccumulator.jvp
+
+    def reversed_jvp(self, y, **kwargs):
+        return tf.reverse(jvp(self, y, **kwargs), [0])
+
+    monkeypatch.setattr(tf.autodiff.ForwardAccumulator, "jvp", reversed_jvp)
+    inputs = {"x": rand((8, 2), seed=1)}
+    assert build_problem(constant_sum, inputs, of="y", wrt="x", mode="auto").mode == "reverse"
+    with pytest.raises(NotDifferentiable, match=r"^mode: TensorFlow's forward mode fails .*dot-product test") as info:
+        build_problem(constant_sum, inputs, of="y", wrt="x", mode="forward")
+    assert info.value.field == "mode" and "use mode 'reverse' or 'auto'" in str(info.value)
+    monkeypatch.undo()
+    assert build_problem(constant_sum, inputs, of="y", wrt="x", mode="auto").mode == "forward"
+
+
+@pytest.mark.parametrize("kind", ["jacobian", "batch_jacobian"])
+def test_forward_mode_is_not_used_at_non_finite_derivatives(tmp_path, kind):
+    """``sqrt`` at 0: forward mode spreads ``0 * inf = NaN`` over entries where GradientTape (reverse mode) has
+    0. The dot-product test sees a non-finite derivative: 'auto' (forward by count here) runs in reverse mode
+    and equals the tape, NaN and inf in the same places; an explicit 'forward' is refused with the reason."""
+    import tensorflow as tf
+
+    from worker.engine import NotDifferentiable, load_model
+
+    class Sqrt(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32, name="x")])
+        def __call__(self, x):
+            return {"y": tf.concat([tf.sqrt(x), x * x], axis=1)}
+
+    module = Sqrt()
+    tf.saved_model.save(module, str(tmp_path / "sqrt"), signatures={"serving_default": module.__call__})
+    model = load_model(str(tmp_path / "sqrt"))
+    inputs = {"x": np.array([[0.0, 4.0], [1.0, 0.0], [9.0, 2.0]], np.float32)}
+    want = tape_jacobian(model, inputs, "y", "x", batch=kind == "batch_jacobian")
+    got, report = compute_in_memory(model, inputs, kind=kind, mode="auto")
+    assert report.plan["mode"] == "reverse"
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(NotDifferentiable, match=r"^mode: .*the derivative is not finite at these inputs"):
+        compute_in_memory(model, inputs, kind=kind, mode="forward")
+
+
+def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, monkeypatch):
+    """A ``tiled`` that is wrong beyond the first and last rows of a chunk (the rows every chunk size has
+    checked against the reference) used to be the reference of the trials: a right ``vectorized`` was
+    dropped for disagreeing with it. The eager reference rows decide: the candidate stays, and the
+    incumbent is the one dropped; the next job runs the right strategy and equals the tape."""
+    import tensorflow as tf
+
+    import worker.engine.chunk_run as chunk_run
+    from worker.engine import LinearFit
+    from worker.engine.plan import Plan
+
+    real = chunk_run.chunk_function
+
+    def wrong_inside(problem, label):
+        fn = real(problem, label)
+        if label != "tiled":
+            return fn
+
+        def rows(start, k):
+            out = fn(start, k)
+            return out if k < 3 else tf.concat([out[:1], out[1:-1] + 1.0, out[-1:]], axis=0)
+        return rows
+
+    monkeypatch.setattr(chunk_run, "chunk_function", wrong_inside)
+    model = loaded("mlp")
+    inputs = {"x": rand((16, 8), seed=3)}
+    plan = Plan(strategy="tiled")  # calibrated already: 16-row chunks at once, a trial after the second
+    tiled = plan.record("tiled")
+    tiled.status, tiled.rates, tiled.preferred_rows = "ok", {16: 1e4}, 16
+    tiled.memory, tiled.seconds = LinearFit(0.0, 1e7), LinearFit(0.0, 1e-4)
+    _, report = compute_in_memory(model, inputs, plan=plan, refine="always", memory_budget_bytes=10**9)
+    learned = report.learned
+    assert learned.record("vectorized").status == "ok", learned.record("vectorized")
+    assert learned.record("tiled").status == "disagrees" and "tiled" in report.failures
+    assert learned.strategy == "vectorized" and report.plan["trial"]["winner"] == "vectorized"
+    got, again = compute_in_memory(model, inputs, plan=learned, refine="never")
+    assert again.plan["strategy"] == "vectorized"
+    np.testing.assert_allclose(got, tape_jacobian(model, inputs, "y", "x"), rtol=0, atol=1e-5)
