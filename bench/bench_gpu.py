@@ -84,7 +84,7 @@ def other_tenant(fraction: float) -> Iterator[tuple[int, int]]:
 def mlp_on_gpu(work: Path, repeats: int) -> list[dict]:
     import tensorflow as tf
 
-    from bench.bench_mlp import ours_until_refined
+    from bench.bench_mlp import compiled_batch_jacobian, ours_until_refined
     from tests import models
     from worker.engine import compute_in_memory, load_model, run_problem
 
@@ -94,12 +94,7 @@ def mlp_on_gpu(work: Path, repeats: int) -> list[dict]:
     t_ours = median_seconds(lambda: run_problem(problem, plan=plan), repeats=repeats)
     ours, report = compute_in_memory(model, {"x": x}, kind="batch_jacobian", plan=plan)
 
-    @tf.function
-    def tape_fn(v):
-        with tf.GradientTape() as tape:
-            tape.watch(v)
-            y = model.fn(x=v)["y"]
-        return tape.batch_jacobian(y, v)
+    tape_fn = compiled_batch_jacobian(model)
 
     xt = tf.constant(x)
     t_tape = median_seconds(lambda: tape_fn(xt).numpy(), repeats=repeats)

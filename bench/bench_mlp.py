@@ -23,6 +23,20 @@ from bench.common import assert_same, emit, machine, median_seconds
 MAX_JOBS = 2000
 
 
+def compiled_batch_jacobian(model):
+    """The compiled peer: ``tape.batch_jacobian`` of ``y`` w.r.t. ``x`` inside a ``tf.function``."""
+    import tensorflow as tf
+
+    @tf.function
+    def tape_fn(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            y = model.fn(x=v)["y"]
+        return tape.batch_jacobian(y, v)
+
+    return tape_fn
+
+
 def ours_until_refined(model, x) -> tuple[object, object, int, float]:
     """Repeated jobs, each with the last job's plan, until the plan is refined: (problem, plan, jobs, seconds)."""
     from worker.engine import build_problem, run_problem
@@ -84,12 +98,7 @@ def measure_peers(model_path: Path, x: np.ndarray, repeats: int) -> dict:
             y = model.fn(x=xt)["y"]
         return tape.batch_jacobian(y, xt)
 
-    @tf.function
-    def tape_fn(v):
-        with tf.GradientTape() as tape:
-            tape.watch(v)
-            y = model.fn(x=v)["y"]
-        return tape.batch_jacobian(y, v)
+    tape_fn = compiled_batch_jacobian(model)
 
     w = {v.name: v.numpy() for v in model.fn.variables}
     params = [(jnp.asarray(w[f"{n}/kernel:0"]), jnp.asarray(w[f"{n}/bias:0"])) for n in ("d0", "d1", "out")]

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from redis import Redis
 
 from contracts.jobspec import ALLOWED_MOVES, JobStatus
-from contracts.records import JobPublic, PlanInfo, Progress, dump
+from contracts.records import JobPublic, PlanInfo, Progress, dump, iso_time
 
 
 class JobNotFound(KeyError):
@@ -63,9 +63,7 @@ class JobRecord:
 
 
 def _iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1000):03d}Z"
+    return None if ts is None else iso_time(ts)
 
 
 _JSON_FIELDS = ("spec", "progress", "plan", "result", "error")

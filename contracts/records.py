@@ -7,6 +7,7 @@ as "not chosen yet"). A field added here with a default therefore shows up only 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,3 +113,8 @@ def dump(record: BaseModel | Any) -> Any:
     if isinstance(record, BaseModel):
         return record.model_dump(mode="json", exclude_unset=True)
     return record
+
+
+def iso_time(ts: float) -> str:
+    """``ts`` (seconds since the epoch) as ISO 8601 UTC with milliseconds, as records and manifests show times."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1000):03d}Z"

@@ -14,7 +14,7 @@ import numpy as np
 
 from contracts import storage
 from contracts.layout import job_url
-from contracts.records import Progress
+from contracts.records import Progress, iso_time
 from worker import metrics
 from worker.storage import ResultWriteError, ResultWriter
 
@@ -57,9 +57,13 @@ class ProgressMeter:
         return Progress.of(self.rows_done, self.rows_total, rate)
 
 
-def iso_time(ts: float) -> str:
-    """``ts`` (seconds since the epoch) as ISO 8601 UTC with milliseconds, as the manifest stores times."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1000):03d}Z"
+def manifest_fields_for(attrs: dict[str, Any], *, plan: dict[str, Any], created_at: float | None,
+                    model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a manifest says beside the array's layout: kind, mode, of, wrt (from the result's ``attrs``),
+    the model (``model``, else the one in ``attrs``), the plan, and when the job was created and finished."""
+    return {"kind": attrs.get("kind"), "mode": attrs.get("mode"), "of": attrs.get("of"), "wrt": attrs.get("wrt"),
+            "model": model or {"path": attrs.get("model"), "signature": attrs.get("signature")},
+            "plan": plan, "created_at": iso_time(created_at or time.time()), "finished_at": iso_time(time.time())}
 
 
 def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, rows: tuple[int, int] | None = None,
@@ -136,9 +140,7 @@ def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, rows:
     except BaseException:
         writer.abort()
         raise
-    fields = {"kind": problem.kind, "mode": problem.mode, "of": problem.of, "wrt": problem.wrt,
-              "model": {"path": problem.model.path, "signature": problem.model.signature},
-              "plan": plan_now, "created_at": iso_time(created_at or time.time()), "finished_at": iso_time(time.time())}
+    fields = manifest_fields_for(problem.attrs, plan=plan_now, created_at=created_at)
     fields.update({k: v for k, v in (manifest_fields or {}).items() if v is not None})
     manifest = {**writer.manifest_base(), **fields}
     if rows is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, NoReturn
+from typing import Any
 
 import redis
 
@@ -135,7 +135,7 @@ class Attempt:
             log.exception("job %s: %s: unexpected error", self.job.id, self.what)
             self.on_failed(error_info(err), delete=False)
             self._no_more_retries()
-        self._reraise(err)
+        raise err
 
     # -- what the job and the finalizer do alike ----------------------------------------------------
 
@@ -171,10 +171,6 @@ class Attempt:
     def _no_more_retries(self) -> None:
         if self.rq_job is not None:
             self.rq_job.retries_left = None
-
-    @staticmethod
-    def _reraise(err: Exception) -> NoReturn:
-        raise err
 
 
 def remove_partial(results_url: str, job_id: str) -> None:

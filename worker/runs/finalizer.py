@@ -9,7 +9,7 @@ from typing import Any
 from contracts.jobspec import JobStatus, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord
 from contracts.records import Progress
-from worker.pipeline import iso_time
+from worker.pipeline import manifest_fields_for
 from worker.runs.attempt import Attempt, remove_partial
 from worker.sharding import ShardPlan
 from worker.storage import ResultWriter
@@ -61,10 +61,8 @@ class Finalizer(Attempt):
         # The job's plan is the planner's (strategy, mode, shards); each shard's own run plan (chunk rows,
         # memory) is listed beside it, in shard order: no shard's plan stands for the others.
         plan = {**record.plan, "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
-        fields = {"kind": writer.attrs.get("kind"), "mode": writer.attrs.get("mode"), "of": writer.attrs.get("of"),
-                  "wrt": writer.attrs.get("wrt"), "model": {"path": job.model.path, "signature": job.model.signature},
-                  "plan": plan, "created_at": iso_time(record.created_at or time.time()),
-                  "finished_at": iso_time(time.time())}
+        fields = manifest_fields_for(writer.attrs, plan=plan, created_at=record.created_at,
+                                     model={"path": job.model.path, "signature": job.model.signature})
         writer.write_manifest(fields)
         manifest = {**writer.manifest_base(), **fields}
         result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
