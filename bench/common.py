@@ -27,6 +27,26 @@ def median_seconds(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], Any]], *, repeats: int, rounds: int = 3) -> dict[str, float]:
+    """Median seconds of each of ``fns``, timed in blocks taken in turn (A A A, B B B, A A A, ...).
+
+    Each of ``rounds`` rounds runs every function once untimed, then ``repeats // rounds`` timed calls
+    (at least one), so that each block starts after the other runtime's thread pools have settled and a
+    load that comes and goes on a shared machine falls on every method alike, not on whichever was
+    timed in that minute.
+    """
+    per_block = max(1, repeats // rounds)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def tf_peak_bytes(fn: Callable[[], Any], device: str = "CPU:0") -> tuple[Any, int]:
     """Run ``fn`` once; its result and the bytes it added at its peak on ``device`` (TensorFlow's
     allocator peak above what was allocated before: earlier results still held do not count)."""
