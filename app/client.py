@@ -231,10 +231,16 @@ class JacobianClient:
 
     # -- results ---------------------------------------------------------------------------------
 
-    def result(self, job_id: str, rows: slice | tuple[int, int] | None = None) -> Any:
+    def result(self, job_id: str, rows: slice | tuple[int, int] | None = None, *, as_xarray: bool = False) -> Any:
         """With ``rows`` (``slice(a, b)``): those rows as a numpy array ``(b - a,) + row_shape``, read
-        over HTTP. Without: the whole result as a lazy ``zarr.Array`` opened from the job's result
-        URI (local path, or ``s3://`` with credentials and endpoint from the ``AWS_*`` variables)."""
+        over HTTP. Without: the whole result, lazy, read from the job's result group (local path, or
+        ``s3://`` with credentials and endpoint from the ``AWS_*`` variables): a ``zarr.Array``, or with
+        ``as_xarray=True`` an ``xarray.Dataset`` with named dimensions and the request as attributes."""
+        if as_xarray:
+            if rows is not None:
+                raise ValueError("rows: as_xarray=True reads the whole group lazily; select rows on the "
+                                 "Dataset instead (e.g. ds.jacobian.isel(of_0=slice(a, b)))")
+            return open_xarray(self._result_uri(job_id))
         if rows is None:
             return self.open_result(job_id)
         return np.concatenate(builtins.list(self.iter_rows(job_id, rows)))
@@ -262,13 +268,17 @@ class JacobianClient:
 
     def open_result(self, job_id: str) -> Any:
         """The job's result as a lazy ``zarr.Array`` (nothing read until indexed)."""
+        return open_zarr(self._result_uri(job_id))
+
+    def _result_uri(self, job_id: str) -> str:
+        """The result group of a succeeded job; ``JacobianError("JobNotFinished")`` before that."""
         record = self.job(job_id)
         if record.status.value != "succeeded":
             raise JacobianError("JobNotFinished", f"id: job {job_id!r} is {record.status.value}; its result "
                                 "can be read once its status is 'succeeded'", status_code=409)
         if record.result is None:
             raise JacobianError("JobNotFinished", f"id: job {job_id!r} has no result uri", status_code=409)
-        return open_zarr(record.result.uri)
+        return record.result.uri
 
 
 def _checked_json(response: httpx.Response, model: type[BaseModel]) -> dict[str, Any]:
@@ -303,10 +313,29 @@ def s3_storage_options() -> dict[str, Any]:
     return s3_options_from_env()
 
 
-def open_zarr(uri: str) -> Any:
-    """``zarr.open_array(uri, mode="r")``; ``s3://`` through fsspec with ``s3_storage_options()``."""
+def _store_args(uri: str) -> tuple[str, dict[str, Any] | None]:
+    """``uri`` as zarr and xarray take it, and fsspec options for ``s3://`` (``s3_storage_options()``)."""
+    if uri.startswith(("s3://", "s3a://")):
+        return uri.replace("s3a://", "s3://", 1), s3_storage_options()
+    return uri.removeprefix("file://"), None
+
+
+def open_zarr(uri: str, name: str = "jacobian") -> Any:
+    """The array ``name`` of the result group at ``uri`` (``result.uri``), read-only and lazy; an array at
+    ``uri`` itself (results stored before the group layout) as it is. ``s3://`` through fsspec."""
     import zarr
 
-    if uri.startswith(("s3://", "s3a://")):
-        return zarr.open_array(uri.replace("s3a://", "s3://", 1), mode="r", storage_options=s3_storage_options())
-    return zarr.open_array(uri.removeprefix("file://"), mode="r")
+    path, options = _store_args(uri)
+    node = zarr.open(path, mode="r", storage_options=options)
+    return node[name] if isinstance(node, zarr.Group) else node
+
+
+def open_xarray(uri: str) -> Any:
+    """The result group at ``uri`` as a lazy ``xarray.Dataset`` (``xarray.open_zarr``; needs xarray and dask)."""
+    try:
+        import xarray as xr
+    except ImportError as exc:
+        raise ImportError("xarray: reading a result as a Dataset needs xarray and dask "
+                          "(pip install xarray 'dask[array]')") from exc
+    path, options = _store_args(uri)
+    return xr.open_zarr(path, storage_options=options, consolidated=True)

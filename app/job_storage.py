@@ -9,7 +9,7 @@ from app.errors import JobNotFinished
 from contracts import storage
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobRecord
-from contracts.layout import RESULT_ARRAY, job_url
+from contracts.layout import RESULT_GROUP, job_url
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def result_uri(record: JobRecord, *, use: str = "its result can be read") -> str
         detail = f" ({record.error.get('message')})" if record.error else ""
         raise JobNotFinished(f"id: job {record.id!r} is {record.status.value}{detail}; {use} once its status is "
                              "'succeeded'")
-    return str((record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], record.id)}/{RESULT_ARRAY}")
+    return str((record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], record.id)}/{RESULT_GROUP}")
 
 
 def open_result(record: JobRecord, *, use: str = "its result can be read") -> Any:
@@ -30,14 +30,14 @@ def open_result(record: JobRecord, *, use: str = "its result can be read") -> An
 
 
 def open_result_at(job_id: str, uri: str) -> Any:
-    """The result array of job ``job_id`` at ``uri``, opened read-only.
+    """The result array (``jacobian``) of job ``job_id`` in its group at ``uri``, opened read-only.
 
     Raises ``JobNotFinished`` (409) when it is missing: the service never deletes a stored result, so
     it was removed from storage by someone, or this API reads other storage than the worker wrote
     (``JACOBIAN_RESULTS_URL``, the S3 endpoint or credentials).
     """
     try:
-        return storage.open_array(uri, mode="r")
+        return storage.open_result(uri)
     except (FileNotFoundError, KeyError) as exc:
         raise JobNotFinished(
             f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); stored results are never "

@@ -97,7 +97,7 @@ def main() -> None:
             results[phase] = res
             import zarr
 
-            ours = np.asarray(zarr.open_array(str(work / "results" / job / "jacobian.zarr"), mode="r")[:])
+            ours = np.asarray(zarr.open_array(str(work / "results" / job / "result.zarr" / "jacobian"), mode="r")[:])
             want = np.load(peer_out)
             assert_same(ours, want, f"{phase} run {i}: ours vs tape.jacobian")
             shutil.rmtree(work / "results" / job)

@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-RESULT_ARRAY = "jacobian.zarr"
+RESULT_GROUP = "result.zarr"   # the job's Zarr v3 group (consolidated metadata); ``result.uri`` points at it
+JACOBIAN_ARRAY = "jacobian"    # the dense kinds' array in that group
+RESULT_ARRAY = f"{RESULT_GROUP}/{JACOBIAN_ARRAY}"  # its path under the job folder
 MANIFEST = "manifest.json"
 INPUTS = "inputs.npz"
 COMMITTED_DIR = "committed"
@@ -23,6 +25,20 @@ DEFAULT_BLOCK_BYTES = 32 * 1024 * 1024
 
 def job_url(results_url: str, job_id: str) -> str:
     return f"{results_url.rstrip('/')}/{job_id}"
+
+
+def dimension_names(kind: str, of_shape: tuple[int, ...], wrt_shape: tuple[int, ...]) -> list[str]:
+    """Names of the result array's axes, for xarray: ``of_0, of_1, ...`` then ``wrt_0, ...`` (the
+    Jacobian ``of.shape + wrt.shape``); ``batch`` for a batch Jacobian's first axis (its ``of`` and
+    ``wrt`` axes keep their input numbering, ``of_1``, ``wrt_1``, ...); a Hessian's second copy of the
+    ``wrt`` axes is ``wrt2_0, ...``."""
+    of_names = [f"of_{i}" for i in range(len(of_shape))]
+    wrt_names = [f"wrt_{i}" for i in range(len(wrt_shape))]
+    if kind == "hessian":
+        return wrt_names + [f"wrt2_{i}" for i in range(len(wrt_shape))]
+    if kind == "batch_jacobian":
+        return ["batch"] + of_names[1:] + wrt_names[1:]
+    return of_names + wrt_names
 
 
 @dataclass(frozen=True)

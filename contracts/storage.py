@@ -285,3 +285,19 @@ def open_array(url: str, mode: str = "r") -> zarr.Array:
     import zarr
 
     return zarr.open_array(store=zarr_store(url, read_only=mode == "r"), mode=mode)  # type: ignore[arg-type]
+
+
+def open_group(url: str, mode: str = "r") -> zarr.Group:
+    """The zarr v3 group at ``url``; its consolidated metadata used when present."""
+    import zarr
+
+    return zarr.open_group(store=zarr_store(url, read_only=mode == "r"), mode=mode)  # type: ignore[arg-type]
+
+
+def open_result(url: str, name: str = "jacobian") -> zarr.Array:
+    """A result's array ``name``, read-only, from its group at ``url`` (``result.uri``); an array at ``url``
+    itself (results stored before the group layout, ``{job}/jacobian.zarr``) is returned as it is."""
+    import zarr
+
+    node = zarr.open(store=zarr_store(url, read_only=True), mode="r")
+    return node[name] if isinstance(node, zarr.Group) else node

@@ -1,8 +1,10 @@
 """Streams computed Jacobian rows into a Zarr v3 array, one storage block at a time, off the compute thread.
 
-Layout under ``{results_url}/{job_id}/``: ``jacobian.zarr`` (the array), ``committed/{block}`` (one
-marker per block whose data is written; resumed jobs skip those blocks) and ``manifest.json``
-(written last; its presence means the result is complete). A reader needs only zarr.
+Layout under ``{results_url}/{job_id}/``: ``result.zarr`` (the job's Zarr v3 group: the request and plan
+as group attributes, the ``jacobian`` array with ``dimension_names``, metadata consolidated when the
+result is complete), ``committed/{block}`` (one marker per block whose data is written; resumed jobs
+skip those blocks) and ``manifest.json`` (written last; its presence means the result is complete). A
+reader needs only zarr, xarray (``xarray.open_zarr``) or dask (``dask.array.from_zarr``).
 ``remove_partial_result`` and ``remove_job_result`` delete what a failed or canceled job leaves.
 """
 
@@ -20,16 +22,17 @@ from typing import Any, Protocol
 import numpy as np
 
 from contracts import storage
-from contracts.layout import COMMITTED_DIR, MANIFEST, RESULT_ARRAY, Block, ResultLayout, job_url
+from contracts.layout import COMMITTED_DIR, JACOBIAN_ARRAY, MANIFEST, RESULT_GROUP, Block, ResultLayout, job_url
+from worker import result_group
 
 log = logging.getLogger(__name__)
 
 
 def remove_partial_result(results_url: str, job_id: str) -> None:
-    """Remove the job's array and commit markers (a failed job's partial result); its inputs and any
-    other file of the job folder stay. Nothing there is not an error; raises ``OSError`` when storage fails."""
+    """Remove the job's result group and commit markers (a failed job's partial result); its inputs and
+    any other file of the job folder stay. Nothing there is not an error; raises ``OSError`` when storage fails."""
     base = job_url(results_url, job_id)
-    storage.delete_prefix(storage.join(base, RESULT_ARRAY))
+    storage.delete_prefix(storage.join(base, RESULT_GROUP))
     storage.delete_prefix(storage.join(base, COMMITTED_DIR))
 
 
@@ -90,13 +93,16 @@ class ResultWriter:
         self.dtype = np.dtype(dtype)
         self.job_id = job_id
         self.job_url = storage.normalize(job_url(results_url, job_id))
-        self.array_url = storage.join(self.job_url, RESULT_ARRAY)
+        self.group_url = storage.join(self.job_url, RESULT_GROUP)
+        self.array_url = storage.join(self.group_url, JACOBIAN_ARRAY)
         self.committed_url = storage.join(self.job_url, COMMITTED_DIR)
         self.manifest_url = storage.join(self.job_url, MANIFEST)
         self.retry = retry or self.default_retry
         self.blocks = layout.blocks()
         self._starts = [b.row_start for b in self.blocks]
         self.rows = self._check_rows(rows)
+        # The request (``attrs``) and the layout: the group's attributes and the array's (a reader of the
+        # array alone, ``zarr.open_array``, sees them too).
         self.attrs = _jsonable({**(attrs or {}), "shape": list(layout.shape), "iter_start": layout.iter_start,
                                 "iter_stop": layout.iter_stop, "itemsize": self.dtype.itemsize,
                                 "block_bytes": layout.block_bytes})
@@ -129,20 +135,21 @@ class ResultWriter:
         No engine or model needed (the finalizer of a sharded job uses it to check the commit markers
         and write the manifest). Raises ``FileNotFoundError`` when there is no array.
         """
-        url = storage.join(storage.normalize(job_url(results_url, job_id)), RESULT_ARRAY)
+        url = storage.join(storage.normalize(job_url(results_url, job_id)), RESULT_GROUP)
         try:
-            arr = storage.open_array(url, mode="r")
+            group = storage.open_group(url, mode="r")
+            arr = group[JACOBIAN_ARRAY]
         except (KeyError, ValueError) as err:
-            raise FileNotFoundError(f"result: no readable array at {url} ({err})") from err
-        return cls(results_url, job_id, layout=ResultLayout.of_array(arr), dtype=arr.dtype, attrs=dict(arr.attrs),
+            raise FileNotFoundError(f"result: no readable result group at {url} ({err})") from err
+        return cls(results_url, job_id, layout=ResultLayout.of_array(arr), dtype=arr.dtype, attrs=dict(group.attrs),
                    create=False, **kwargs)
 
     # -- what is done, what is left -------------------------------------------------------------
 
     @property
     def uri(self) -> str:
-        """Where the array lives (absolute local path or ``s3://`` URL)."""
-        return self.array_url
+        """Where the result group lives (absolute local path or ``s3://`` URL)."""
+        return self.group_url
 
     def committed_blocks(self) -> set[int]:
         """Indices of blocks whose data is in storage, read from the commit markers."""
@@ -265,14 +272,16 @@ class ResultWriter:
 
     def manifest_base(self) -> dict[str, Any]:
         """The manifest fields the writer knows: id, uri, shape, dtype, chunks, rows."""
-        return {"id": self.job_id, "uri": self.uri, "format": "zarr-v3", "shape": list(self.layout.shape),
+        return {"id": self.job_id, "uri": self.uri, "format": "zarr-v3", "array": JACOBIAN_ARRAY,
+                "shape": list(self.layout.shape),
                 "dtype": self.dtype.name, "chunks": list(self.layout.chunks),
                 "iter_axes": [self.layout.iter_start, self.layout.iter_stop],
                 "rows": [self.rows[0], self.rows[1]], "rows_total": self.layout.rows_total,
                 "blocks": len(self.blocks)}
 
     def write_manifest(self, fields: dict[str, Any]) -> str:
-        """Write ``manifest.json`` (``manifest_base()`` updated with ``fields``) last; returns its URL.
+        """Write ``manifest.json`` (``manifest_base()`` updated with ``fields``) last, after sealing the group
+        (``result_group.seal``: plan and times in its attributes, metadata consolidated); returns its URL.
 
         Raises ``RuntimeError`` when a block of this job's range is not committed.
         """
@@ -281,6 +290,7 @@ class ResultWriter:
         if missing:
             raise RuntimeError(f"manifest: blocks {missing[:10]} are not committed; the result is incomplete")
         manifest = _jsonable({**self.manifest_base(), **fields})
+        result_group.seal(self.group_url, {k: v for k, v in manifest.items() if k in result_group.SEALED_FIELDS})
         storage.write_bytes(self.manifest_url, json.dumps(manifest, indent=2, sort_keys=True).encode())
         return self.manifest_url
 
@@ -317,16 +327,10 @@ class ResultWriter:
             except (FileNotFoundError, KeyError, ValueError) as err:
                 log.warning("job %s: commit markers without a readable array (%s); starting over", self.job_id, err)
         storage.delete_prefix(self.committed_url)
-        storage.delete_prefix(self.array_url)
+        storage.delete_prefix(self.group_url)
         self._committed = set()
-        import zarr
-        from zarr.codecs import ZstdCodec
-
-        # zstd level 1: zarr's default ratio on Jacobians (dense ones barely compress, block-diagonal
-        # ones a lot) for less CPU, which the compute shares (-0.35 s of 7.7 s on 602 MB here).
-        return zarr.create_array(store=storage.zarr_store(self.array_url, read_only=False), shape=shape,
-                                 chunks=chunks, dtype=self.dtype, fill_value=0, attributes=self.attrs,
-                                 compressors=[ZstdCodec(level=1)], overwrite=True)
+        return result_group.create(self.group_url, attrs=self.attrs, array=JACOBIAN_ARRAY, shape=shape,
+                                   chunks=chunks, dtype=self.dtype)
 
     def _open_existing(self) -> Any:
         """The array written by several writers at once (shards): opened, never deleted or recreated."""

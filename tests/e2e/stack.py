@@ -126,7 +126,8 @@ def result_rows(uri: str, storage_options: dict[str, Any] | None = None) -> tupl
     """The stored result (plain zarr, no project code) and the same as rows."""
     import zarr
 
-    z = zarr.open_array(uri, mode="r", **({"storage_options": storage_options} if storage_options else {}))
+    options = {"storage_options": storage_options} if storage_options else {}
+    z = zarr.open_array(uri + "/jacobian", mode="r", **options)
     full = z[...]
     attrs = dict(z.attrs)
     return full, as_rows(full, int(attrs["iter_start"]), int(attrs["iter_stop"]))

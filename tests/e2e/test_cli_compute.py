@@ -44,7 +44,7 @@ def test_compute_writes_zarr_equal_to_tape_jacobian(multi_io_model: Path, tmp_pa
                         "--of", "v", "--wrt", "a", "--chunk-rows", "4", "--job-id", "cli1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     uri = proc.stdout.strip()
-    assert uri == str(out / "cli1" / "jacobian.zarr")
+    assert uri == str(out / "cli1" / "result.zarr")
     assert "rows 6/6" in proc.stderr  # progress on stderr
 
     loaded = tf.saved_model.load(str(multi_io_model))
@@ -54,7 +54,7 @@ def test_compute_writes_zarr_equal_to_tape_jacobian(multi_io_model: Path, tmp_pa
         tape.watch(at)
         v = fn(a=at, b=bt)["v"]
     expected = tape.jacobian(v, at).numpy()
-    got = zarr.open_array(uri, mode="r")[:]
+    got = zarr.open_array(uri + "/jacobian", mode="r")[:]
     assert got.shape == expected.shape == (2, 3, 2, 4)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     manifest = json.loads((out / "cli1" / "manifest.json").read_text())

@@ -240,7 +240,7 @@ def test_client_lazy_zarr_from_s3(env: Env, monkeypatch: pytest.MonkeyPatch) -> 
         job_id = client.submit("mlp", {"x": x}, of="y", wrt="x")
         record = client.wait(job_id, poll_s=0.05, timeout_s=JOB_TIMEOUT_S)
         uri = record["result"]["uri"]
-        assert uri == f"s3://{env.bucket}/results/{job_id}/jacobian.zarr"
+        assert uri == f"s3://{env.bucket}/results/{job_id}/result.zarr"
         lazy = client.result(job_id)  # storage_options from the AWS_* variables
         assert isinstance(lazy, zarr.Array) and lazy.shape == (2, 4, 2, 8)
         full = lazy[...]

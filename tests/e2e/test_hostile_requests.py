@@ -211,9 +211,9 @@ def prepared(stack):
     for name, args in BOMBS.items():
         (stack.uploads / f"{name}.npz").write_bytes(bomb(*args))
     stack.job_id = uuid.uuid4().hex
-    uri = str(stack.results / stack.job_id / "jacobian.zarr")
-    array = zarr.create_array(store=uri, shape=(4, 3), dtype="float32", chunks=(2, 3),
-                              attributes={"shape": [4, 3], "iter_start": 0, "iter_stop": 1})
+    uri = str(stack.results / stack.job_id / "result.zarr")
+    array = zarr.create_group(store=uri).create_array("jacobian", shape=(4, 3), dtype="float32", chunks=(2, 3),
+                                                      attributes={"shape": [4, 3], "iter_start": 0, "iter_stop": 1})
     array[...] = np.arange(12, dtype=np.float32).reshape(4, 3)
     store = JobStore(stack.redis)
     store.create(JobRecord(id=stack.job_id, status=JobStatus.succeeded, created_at=1.0, finished_at=2.0,

@@ -140,8 +140,8 @@ class Stack:
     def open_result(self, uri: str) -> zarr.Array:
         """The result with plain zarr (fsspec store for s3://)."""
         if self.storage_options is None:
-            return zarr.open_array(uri, mode="r")
-        return zarr.open_array(uri, mode="r", storage_options=self.storage_options)
+            return zarr.open_array(uri + "/jacobian", mode="r")
+        return zarr.open_array(uri + "/jacobian", mode="r", storage_options=self.storage_options)
 
     def read_manifest(self, job_id: str) -> dict[str, Any]:
         """``{results_url}/{id}/manifest.json`` with fsspec (no project code)."""
@@ -248,7 +248,7 @@ def test_jacobian_job_over_http(stack: Stack, models_root: Path) -> None:
     assert expected.shape == (2, 5, 2, 8, 8, 3)
 
     uri = record["result"]["uri"]
-    assert uri == f"{stack.results_url}/{job_id}/jacobian.zarr"
+    assert uri == f"{stack.results_url}/{job_id}/result.zarr"
     assert record["result"]["shape"] == list(expected.shape) and record["result"]["dtype"] == "float32"
     J = stack.open_result(uri)
     got = J[:]

@@ -246,14 +246,20 @@ def test_cancel_queued_running_and_finished(client, redis_conn, results):
     assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "succeeded"
 
 
-def write_result(uri: str, full: np.ndarray, iter_start: int, iter_stop: int, block_bytes: int) -> None:
-    """What the worker writes: a zarr v3 array in row blocks with the layout attributes."""
+def write_result(uri: str, full: np.ndarray, iter_start: int, iter_stop: int, block_bytes: int, *,
+                 legacy: bool = False) -> None:
+    """What the worker writes: a group ``uri`` holding the zarr v3 array ``jacobian`` in row blocks with the
+    layout attributes; ``legacy``: the array alone at ``uri``, as results were stored before the group."""
     import zarr
 
     layout = ResultLayout(full.shape, iter_start, iter_stop, itemsize=full.itemsize, block_bytes=block_bytes)
-    arr = zarr.create_array(store=storage.zarr_store(uri, read_only=False), shape=full.shape, dtype=full.dtype,
-                            chunks=layout.chunks,
-                            attributes={"shape": list(full.shape), "iter_start": iter_start, "iter_stop": iter_stop})
+    store = storage.zarr_store(uri, read_only=False)
+    attrs = {"shape": list(full.shape), "iter_start": iter_start, "iter_stop": iter_stop}
+    if legacy:
+        arr = zarr.create_array(store=store, shape=full.shape, dtype=full.dtype, chunks=layout.chunks, attributes=attrs)
+    else:
+        arr = zarr.create_group(store=store).create_array("jacobian", shape=full.shape, dtype=full.dtype,
+                                                          chunks=layout.chunks, attributes=attrs)
     arr[...] = full
 
 
@@ -274,7 +280,7 @@ def test_result_rows_local(client, redis_conn, results, iter_start, iter_stop, b
     job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
     assert client.get(f"/v1/jobs/{job_id}/result").status_code == 409
     full = np.random.default_rng(0).normal(size=(2, 4, 2, 8)).astype(np.float32)
-    uri = f"{results}/{job_id}/jacobian.zarr"
+    uri = f"{results}/{job_id}/result.zarr"
     write_result(uri, full, iter_start, iter_stop, block_bytes)
     succeed(redis_conn, job_id, uri, full)
     ref = rows_of(full, iter_start, iter_stop)
@@ -303,8 +309,8 @@ def test_a_row_larger_than_the_response_limit_is_streamed(env, redis_conn, resul
     with TestClient(create_app()) as client:
         job_id = client.post("/v1/jobs", json=mlp_body(batch=1)).json()["id"]
         full = np.random.default_rng(1).normal(size=(3, 400)).astype(np.float32)
-        uri = f"{results}/{job_id}/jacobian.zarr"
-        write_result(uri, full, 0, 1, 1 << 20)
+        uri = f"{results}/{job_id}/jacobian.zarr"  # a result stored before the group layout still reads
+        write_result(uri, full, 0, 1, 1 << 20, legacy=True)
         succeed(redis_conn, job_id, uri, full)
         for rows in ("1", "2:3", "2:"):
             r = client.get(f"/v1/jobs/{job_id}/result", params={"rows": rows})
@@ -349,7 +355,7 @@ def test_s3_results(s3_client, redis_conn):
         assert npz["x"].shape == (2, 8)
 
     full = np.arange(2 * 4 * 2 * 8, dtype=np.float32).reshape(2, 4, 2, 8)
-    uri = f"s3://{bucket}/results/{job_id}/jacobian.zarr"
+    uri = f"s3://{bucket}/results/{job_id}/result.zarr"
     write_result(uri, full, 0, 2, 128)
     succeed(redis_conn, job_id, uri, full)
     r = client.get(f"/v1/jobs/{job_id}/result", params={"rows": "2:7"})
@@ -416,7 +422,7 @@ def test_result_gone_is_409_and_says_what_is_true(client, redis_conn, results):
     """Stored results are never deleted by the service (README): the message says it was removed from
     storage or the API reads other storage, and names the settings to check; not "results expire"."""
     job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
-    succeed(redis_conn, job_id, f"{results}/{job_id}/jacobian.zarr", np.zeros((1,), np.float32))
+    succeed(redis_conn, job_id, f"{results}/{job_id}/result.zarr", np.zeros((1,), np.float32))
     for path in (f"/v1/jobs/{job_id}/result", f"/v1/jobs/{job_id}/preview.png"):
         r = client.get(path)
         message = r.json()["error"]["message"]

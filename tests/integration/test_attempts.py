@@ -76,7 +76,7 @@ def test_a_shard_over_the_job_timeout_fails_the_job_as_job_timeout(worker_env, r
     shard = Job.fetch(shard_job_id(job_id, 0), connection=redis_conn, serializer=JSONSerializer)
     assert shard.get_status() == RqStatus.FAILED
     assert not (Path(results) / job_id / "manifest.json").exists()
-    assert not (Path(results) / job_id / "jacobian.zarr").exists()  # the finalizer removed the partial array
+    assert not (Path(results) / job_id / "result.zarr").exists()  # the finalizer removed the partial result
 
 
 def test_shards_keep_their_own_plans_beside_the_jobs(worker_env, redis_conn, model_root):

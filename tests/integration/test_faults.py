@@ -272,7 +272,8 @@ def pool(tmp_path_factory, model_root, proxy):
 
 
 def result_bytes(rec: JobRecord, **storage_options) -> bytes:
-    return zarr.open_array(rec.result["uri"], mode="r", storage_options=storage_options or None)[:].tobytes()
+    uri = rec.result["uri"] + "/jacobian"
+    return zarr.open_array(uri, mode="r", storage_options=storage_options or None)[:].tobytes()
 
 
 def committed(results_url: str, job_id: str) -> list[str]:

@@ -97,7 +97,7 @@ def tape_jacobian(model_dir: Path, x: np.ndarray) -> np.ndarray:
 
 
 def result_bytes(rec: JobRecord) -> bytes:
-    arr = zarr.open_array(rec.result["uri"], mode="r")[:]
+    arr = zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:]
     return np.ascontiguousarray(arr).tobytes()
 
 
@@ -259,7 +259,7 @@ def test_sharded_results_equal_unsharded_bitwise_with_two_workers(pool):
         assert not Job.exists(finalizer_job_id(rec.id), connection=pool.conn)  # one piece: no finalizer
     for name, rec in recs.items():
         assert result_bytes(rec) == result_bytes(ref_recs[(name[:3], rec.plan["strategy"])]), name
-    np.testing.assert_allclose(zarr.open_array(recs["mlp2"].result["uri"], mode="r")[:],
+    np.testing.assert_allclose(zarr.open_array(recs["mlp2"].result["uri"] + "/jacobian", mode="r")[:],
                                tape_jacobian(pool.model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
 
@@ -385,7 +385,7 @@ def test_transient_shard_failure_is_retried_alone(env, redis_conn, model_root, m
     assert rq_job(redis_conn, s[2]).retries_left == 1 and rq_job(redis_conn, s[0]).retries_left == 2
     # shard 3 computed its 4 rows, then only the 2 rows of the block that was not committed
     assert [p["rows_computed"] for p in JobStore(redis_conn).shard_progress(job_id).values()] == [4, 4, 6]
-    np.testing.assert_allclose(zarr.open_array(rec.result["uri"], mode="r")[:],
+    np.testing.assert_allclose(zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:],
                                tape_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
     with TestClient(create_app()) as client:
         body = client.get(f"/v1/jobs/{job_id}").json()
@@ -431,7 +431,7 @@ def test_shard_failing_for_good_fails_the_job(env, redis_conn, model_root, monke
     final = rq_job(redis_conn, finalizer_job_id(job_id))
     assert final.get_status() == RqStatus.FINISHED  # ran despite the failed dependency, claimed nothing
     assert final.return_value()["status"] == "failed"
-    assert not (env / job_id / "manifest.json").exists() and not (env / job_id / "jacobian.zarr").exists()
+    assert not (env / job_id / "manifest.json").exists() and not (env / job_id / "result.zarr").exists()
 
 
 def test_shard_lost_without_a_trace_fails_the_job_in_the_finalizer(env, redis_conn, model_root):

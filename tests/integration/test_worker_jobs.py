@@ -91,7 +91,7 @@ def test_chunk_rows_beyond_the_job_is_clamped_to_its_rows(env, redis_conn, model
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded, rec.error
     assert rec.plan["chunk_rows"] == 12
-    np.testing.assert_allclose(zarr.open_array(rec.result["uri"], mode="r")[...],
+    np.testing.assert_allclose(zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[...],
                                reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
 
@@ -105,13 +105,13 @@ def test_job_succeeds_with_progress_plan_manifest_and_exact_result(env, redis_co
     assert rec.progress["fraction"] == 1.0 and rec.progress["eta_seconds"] == 0.0
     assert rec.progress["rows_per_second"] > 0
     assert rec.plan["chunk_rows"] == 5 and rec.plan["strategy"] and rec.plan["mode"] == "reverse"
-    assert rec.result == {"uri": str(env / job_id / "jacobian.zarr"), "shape": [3, 4, 3, 8], "dtype": "float32"}
+    assert rec.result == {"uri": str(env / job_id / "result.zarr"), "shape": [3, 4, 3, 8], "dtype": "float32"}
     manifest = json.loads((env / job_id / "manifest.json").read_text())
     assert manifest["id"] == job_id and manifest["shape"] == [3, 4, 3, 8] and manifest["kind"] == "jacobian"
     assert manifest["of"] == "y" and manifest["wrt"] == "x" and manifest["plan"]["chunk_rows"] == 5
     assert manifest["model"]["path"] == str(model_root / "mlp")
     assert sorted(os.listdir(env / job_id / "committed")) == [str(i) for i in range(6)]
-    arr = zarr.open_array(rec.result["uri"], mode="r")  # plain zarr, no project code
+    arr = zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")  # plain zarr, no project code
     assert arr.chunks == (1, 2, 3, 8)  # rows run over (3, 4); two rows per block
     np.testing.assert_allclose(arr[:], reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == RqStatus.FINISHED
@@ -159,7 +159,7 @@ def test_transient_storage_failure_is_retried_by_rq_and_resumes(env, redis_conn,
     # The first attempt handed all 12 rows to the writer before block 3's commit failed; the resumed one
     # restarts from the 6 committed rows. Progress keeps the 12 reported (it went back to 6 before).
     assert calls[1][1] == 12 and reported == sorted(reported) and reported[-1] == 12, reported
-    np.testing.assert_allclose(zarr.open_array(rec.result["uri"], mode="r")[:],
+    np.testing.assert_allclose(zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:],
                                reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
 
@@ -285,7 +285,8 @@ def test_worker_console_script_burst(env, redis_server, redis_conn, model_root, 
     assert rec.status == JobStatus.succeeded, (rec.error, out.stderr[-3000:])
     full = reference_jacobian(model_root / "mlp", x)
     expected = np.stack([full[b, :, b, :] for b in range(3)])  # (3, 4, 8)
-    np.testing.assert_allclose(zarr.open_array(rec.result["uri"], mode="r")[:], expected, rtol=1e-5, atol=1e-6)
+    got = zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_rerun_of_a_finished_job_computes_nothing(env, redis_conn, model_root, x, monkeypatch):

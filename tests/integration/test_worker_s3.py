@@ -57,11 +57,12 @@ def test_writer_on_s3_resumes_and_reads_back_with_plain_zarr(s3_env):
     for start, stop in ranges:
         second.write_rows(start, rows[start:stop])
     second.write_manifest({"kind": "jacobian"})
-    assert second.uri == f"s3://{s3_env}/results/job-s3/jacobian.zarr"
+    assert second.uri == f"s3://{s3_env}/results/job-s3/result.zarr"
 
-    arr = zarr.open_array(second.uri, mode="r", storage_options=plain_options())
+    arr = zarr.open_array(second.uri + "/jacobian", mode="r", storage_options=plain_options())
     np.testing.assert_array_equal(arr[:], J)
-    assert arr.chunks == tuple(layout.chunks) and arr.attrs["kind"] == "jacobian"
+    assert arr.chunks == tuple(layout.chunks)
+    assert zarr.open_group(second.uri, mode="r", storage_options=plain_options()).attrs["kind"] == "jacobian"
     s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
     manifest = json.loads(s3.get_object(Bucket=s3_env, Key="results/job-s3/manifest.json")["Body"].read())
     assert manifest["shape"] == [4, 5, 3] and manifest["uri"] == second.uri
@@ -92,7 +93,7 @@ def test_compute_to_storage_on_s3_equals_tape_jacobian(s3_env, tmp_path):
         tape.watch(xt)
         y = fn(image=xt)["logits"]
     expected = tape.jacobian(y, xt).numpy()
-    got = zarr.open_array(manifest["uri"], mode="r", storage_options=plain_options())[:]
+    got = zarr.open_array(manifest["uri"] + "/jacobian", mode="r", storage_options=plain_options())[:]
     assert got.shape == expected.shape == (2, 5, 2, 8, 8, 3)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     assert storage.exists(f"s3://{s3_env}/results/cnn1/manifest.json")
@@ -108,11 +109,11 @@ def test_result_removal_on_s3(s3_env):
         storage.write_bytes(f"{results}/{job_id}/inputs.npz", b"npz")
         with ResultWriter(results, job_id, layout=layout, dtype="float32") as w:
             w.write_rows(0, np.ones((6, 5), np.float32))
-        assert storage.list_names(f"{results}/{job_id}") == ["committed", "inputs.npz", "jacobian.zarr"]
+        assert storage.list_names(f"{results}/{job_id}") == ["committed", "inputs.npz", "result.zarr"]
     remove_partial_result(results, "a")
     assert storage.list_names(f"{results}/a") == ["inputs.npz"]
     remove_partial_result(results, "a")  # nothing left to remove: not an error
     remove_job_result(results, "a")
     assert storage.list_names(results) == ["b"] and not storage.exists(f"{results}/a")
-    assert storage.list_names(f"{results}/b") == ["committed", "inputs.npz", "jacobian.zarr"]
+    assert storage.list_names(f"{results}/b") == ["committed", "inputs.npz", "result.zarr"]
     remove_job_result(results, "a")

@@ -18,7 +18,7 @@ def written_job(results: Path, job_id: str) -> Path:
     layout = ResultLayout(shape=(6, 5), iter_start=0, iter_stop=1, itemsize=4, block_bytes=40)
     with ResultWriter(str(results), job_id, layout=layout, dtype="float32", retry=RetryPolicy(attempts=1)) as w:
         w.write_rows(0, np.ones((6, 5), np.float32))
-    assert sorted(p.name for p in (results / job_id).iterdir()) == ["committed", INPUTS, "jacobian.zarr"]
+    assert sorted(p.name for p in (results / job_id).iterdir()) == ["committed", INPUTS, "result.zarr"]
     return results / job_id
 
 
@@ -29,7 +29,7 @@ def test_remove_partial_result_keeps_the_inputs(tmp_path: Path) -> None:
     other = written_job(tmp_path, "j2")
     remove_partial_result(f"file://{tmp_path}", "j1")
     assert sorted(p.name for p in job.iterdir()) == [INPUTS]
-    assert sorted(p.name for p in other.iterdir()) == ["committed", INPUTS, "jacobian.zarr"]
+    assert sorted(p.name for p in other.iterdir()) == ["committed", INPUTS, "result.zarr"]
     remove_partial_result(str(tmp_path), "j1")  # nothing left to remove: not an error
     remove_partial_result(str(tmp_path), "never-ran")
 

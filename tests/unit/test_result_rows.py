@@ -50,7 +50,7 @@ def test_rows_read_only_their_small_blocks(tmp_path: Path) -> None:
     with ResultWriter(str(tmp_path), "j", layout=layout, dtype="float32",
                       retry=RetryPolicy(attempts=1)) as w:
         w.write_rows(0, J)
-    array, counter = open_counted(w.uri)
+    array, counter = open_counted(w.array_url)
     got = np.concatenate(list(result_rows.iter_rows(array, result_rows.layout_of(array), 3, 5)))
     np.testing.assert_array_equal(got, J[3:5])
     assert sorted(counter.chunk_reads) == ["c/3/0", "c/4/0"]

@@ -45,10 +45,10 @@ def test_blocks_written_in_order_and_readable_with_plain_zarr(tmp_path: Path, la
         assert w.pending_ranges() == [(0, 6)]
         feed(w, rows_of(J, layout), [1, 3, 2])  # compute chunks straddle block boundaries
     assert w.committed_blocks() == {0, 1, 2}
-    arr = zarr.open_array(str(tmp_path / "job1" / "jacobian.zarr"), mode="r")
+    arr = zarr.open_array(str(tmp_path / "job1" / "result.zarr" / "jacobian"), mode="r")
     np.testing.assert_array_equal(arr[:], J)
     assert arr.chunks == (2, 5)
-    assert arr.attrs["kind"] == "jacobian"
+    assert zarr.open_group(str(tmp_path / "job1" / "result.zarr"), mode="r").attrs["kind"] == "jacobian"
     rebuilt = ResultLayout(tuple(arr.attrs["shape"]), arr.attrs["iter_start"], arr.attrs["iter_stop"],
                            arr.attrs["itemsize"], arr.attrs["block_bytes"])
     assert rebuilt.chunks == arr.chunks and len(rebuilt.blocks()) == 3
@@ -60,7 +60,7 @@ def test_middle_iterated_axes_are_placed(tmp_path: Path) -> None:
     J = np.random.default_rng(0).normal(size=(2, 3, 4))
     with ResultWriter(str(tmp_path), "j", layout=layout, dtype="float64", retry=FAST) as w:
         feed(w, rows_of(J, layout), [3])
-    np.testing.assert_array_equal(storage.open_array(w.uri)[:], J)
+    np.testing.assert_array_equal(storage.open_result(w.uri)[:], J)
 
 
 def test_rows_out_of_order_are_refused(tmp_path: Path, layout: ResultLayout) -> None:
@@ -95,7 +95,7 @@ def test_resume_skips_committed_blocks_and_is_bitwise_equal(tmp_path: Path, layo
     assert second.pending_ranges() == [(2, 6)]
     feed(second, rows[2:], [4], start=2)
     second.write_manifest({"kind": "jacobian"})
-    np.testing.assert_array_equal(storage.open_array(second.uri)[:], J)
+    np.testing.assert_array_equal(storage.open_result(second.uri)[:], J)
     chunk_files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("c/*/*"))
     assert len(chunk_files) == 3
     for rel in chunk_files:
@@ -106,12 +106,12 @@ def test_rewriting_a_block_gives_identical_bytes(tmp_path: Path, layout: ResultL
     rows = np.random.default_rng(2).normal(size=(6, 5)).astype(np.float32)
     with ResultWriter(str(tmp_path), "j", layout=layout, dtype="float32", retry=FAST) as w:
         feed(w, rows, [6])
-    before = {p: p.read_bytes() for p in (tmp_path / "j" / "jacobian.zarr").rglob("*") if p.is_file()}
+    before = {p: p.read_bytes() for p in (tmp_path / "j" / "result.zarr").rglob("*") if p.is_file()}
     # resumed writer that recomputes an already committed block: dropped, nothing changes
     with ResultWriter(str(tmp_path), "j", layout=layout, dtype="float32", retry=FAST) as again:
         assert again.pending_ranges() == []
         again.write_rows(2, rows[2:4])
-    after = {p: p.read_bytes() for p in (tmp_path / "j" / "jacobian.zarr").rglob("*") if p.is_file()}
+    after = {p: p.read_bytes() for p in (tmp_path / "j" / "result.zarr").rglob("*") if p.is_file()}
     assert before == after
 
 
@@ -132,7 +132,7 @@ def test_manifest_is_written_last_and_only_when_complete(tmp_path: Path, layout:
     body = json.loads(manifest.read_text())
     assert body["id"] == "j" and body["shape"] == [6, 5] and body["dtype"] == "float32"
     assert body["chunks"] == [2, 5] and body["rows"] == [0, 6] and body["kind"] == "jacobian"
-    assert body["uri"] == str(tmp_path / "j" / "jacobian.zarr")
+    assert body["uri"] == str(tmp_path / "j" / "result.zarr") and body["array"] == "jacobian"
 
 
 class FlakyArray:
@@ -158,7 +158,7 @@ def test_failing_store_is_retried_then_succeeds(tmp_path: Path, layout: ResultLa
     feed(w, rows, [6])
     w.close()
     assert flaky.calls == 5 and w.committed_blocks() == {0, 1, 2}
-    np.testing.assert_array_equal(storage.open_array(w.uri)[:], rows)
+    np.testing.assert_array_equal(storage.open_result(w.uri)[:], rows)
 
 
 def test_failing_store_raises_after_bounded_retries(tmp_path: Path, layout: ResultLayout) -> None:

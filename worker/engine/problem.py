@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from contracts import rules
-from contracts.layout import ResultLayout
+from contracts.layout import ResultLayout, dimension_names
 from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
 from worker.engine.model import LoadedModel, shape_tuple
 from worker.engine.plan import PlanKey, batch_bucketed
@@ -77,6 +77,7 @@ class Problem:
             "wrt_shape": list(self.wrt_shape), "shape": list(self.layout.shape), "dtype": self.dtype,
             "iter_start": self.layout.iter_start, "iter_stop": self.layout.iter_stop,
             "rows_total": self.rows_total,
+            "dimension_names": dimension_names(self.kind, self.of_shape, self.wrt_shape),
         }
 
 

@@ -1,0 +1,50 @@
+"""A job's result as one Zarr v3 group (``{job}/result.zarr``): created with the request as its attributes
+and one array per result (``jacobian`` for the dense kinds) whose axes carry ``dimension_names``; sealed
+when complete (the plan and times added to its attributes, its metadata consolidated), so that
+``xarray.open_zarr(uri)`` gives a labelled Dataset and ``dask.array.from_zarr(uri, component=...)`` a
+lazy array without project code."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from contracts import storage
+
+# Manifest fields also kept as group attributes when the result is sealed.
+SEALED_FIELDS = ("plan", "created_at", "finished_at")
+
+
+def create(group_url: str, *, attrs: dict[str, Any], array: str, shape: tuple[int, ...], chunks: tuple[int, ...],
+           dtype: np.dtype) -> Any:
+    """A new group at ``group_url`` (replacing one there) and in it the empty array ``array`` (fill 0,
+    zstd level 1), both with ``attrs``; the array's axes are named by ``attrs["dimension_names"]``
+    (``dim_0, ...`` when those do not fit the shape). Returns the array, open for writing."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs,
+                              overwrite=True)
+    names = [str(n) for n in attrs.get("dimension_names") or []]
+    if len(names) != len(shape):
+        names = [f"dim_{i}" for i in range(len(shape))]
+    # zstd level 1: zarr's default ratio on Jacobians (dense ones barely compress, block-diagonal
+    # ones a lot) for less CPU, which the compute shares (-0.35 s of 7.7 s on 602 MB here).
+    return group.create_array(array, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
+                              attributes=attrs, dimension_names=names, compressors=[ZstdCodec(level=1)],
+                              overwrite=True)
+
+
+def seal(group_url: str, fields: dict[str, Any]) -> None:
+    """The complete result's group: ``fields`` added to its attributes, then its metadata consolidated
+    (``zarr.consolidate_metadata``), so that a reader opens it with one request."""
+    import zarr
+
+    store = storage.zarr_store(group_url, read_only=False)
+    group = zarr.open_group(store=store, mode="r+", use_consolidated=False)
+    group.attrs.update(fields)
+    with warnings.catch_warnings():  # "not part of the Zarr format 3 specification": zarr-python and xarray read it
+        warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
+        zarr.consolidate_metadata(store)
