@@ -2,7 +2,7 @@
 
 On a terminal (``stream.isatty()``) a tqdm bar is redrawn in place::
 
-     50.0%|█████     | rows 8/16 [00:01<00:01, 7.52 rows/s, running, strategy vectorized]
+     50.0%|█████     | rows 8/16 [00:01<00:01,  7.52 rows/s, running, strategy vectorized]
 
 Anywhere else (CI, a log file, a pipe) nothing is redrawn: one plain line every ``every_s`` seconds
 (``PLAIN_EVERY_S``), one more when the state changes or the last row is done, and a last one on
@@ -30,7 +30,7 @@ PLAIN_EVERY_S = 10.0
 BAR_FORMAT = "{percentage:5.1f}%|{bar}| rows {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]"
 
 
-class _Bar(tqdm):  # type: ignore[type-arg]
+class _Bar(tqdm):
     """A tqdm bar that draws the rate it is told (the engine's or the API's) rather than its own guess."""
 
     monitor_interval = 0  # updates are explicit; no refresh thread
