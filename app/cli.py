@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
 _STARTED = time.perf_counter()
@@ -29,35 +29,13 @@ MODES = ("auto", "reverse", "forward")
 
 # -- compute ---------------------------------------------------------------------------------------
 
-if TYPE_CHECKING:
-    from contracts.records import Progress
-
-
-class _ProgressPrinter:
-    """Writes progress lines to stderr at most every ``every_s`` seconds (and the last one)."""
-
-    def __init__(self, every_s: float = 0.5) -> None:
-        self.every_s = every_s
-        self.last_s = 0.0
-
-    def __call__(self, progress: Progress) -> None:
-        now = time.monotonic()
-        done, total = progress.rows_done, progress.rows_total or 0
-        if done < total and now - self.last_s < self.every_s:
-            return
-        self.last_s = now
-        eta = progress.eta_seconds
-        eta_text = f", eta {eta:.1f}s" if isinstance(eta, (int, float)) and done < total else ""
-        print(f"rows {done}/{total} ({100 * progress.fraction:.1f}%), "
-              f"{progress.rows_per_second or 0.0:.1f} rows/s{eta_text}", file=sys.stderr, flush=True)
-
-
 def cmd_compute(args: argparse.Namespace) -> int:
     """The engine in-process, no Redis: Zarr result and manifest under ``{out}/{job_id}/``."""
     from contracts.settings import get_settings
     from worker.main import configure_devices
 
     configure_devices(get_settings())
+    from app.progress import RowProgress
     from contracts import storage
     from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
     from worker.engine.planning import prepare
@@ -69,6 +47,12 @@ def cmd_compute(args: argparse.Namespace) -> int:
     model_path = str(Path(args.model).expanduser().resolve())
     settings = get_settings()
     plans = DiskPlanCache(settings.cache_dir)
+    progress = RowProgress(sys.stderr)  # a bar on a terminal, else a line every 10 s and the last one
+
+    def on_plan(plan: dict[str, Any]) -> None:
+        progress.set_state(f"strategy {plan['strategy']}" if plan.get("strategy") else "")
+        progress.note(f"plan: {plan}")
+
     try:
         inputs = load_inputs(args.input, settings=settings, field="--input")
         model = get_model(model_path, args.signature)
@@ -79,17 +63,21 @@ def cmd_compute(args: argparse.Namespace) -> int:
         print(f"job {job_id}: {problem.kind} d{problem.of}/d{problem.wrt}, shape {tuple(problem.layout.shape)}, "
               f"{problem.rows_total} rows, mode {problem.mode}, plan {plan.source} ({plan.strategy})",
               file=sys.stderr, flush=True)
+        progress.set_state(f"strategy {plan.strategy}" if plan.strategy else "")
         manifest = compute_to_storage(
             problem, results_url=storage.normalize(args.out), job_id=job_id,
             memory_budget_bytes=effective_budget(args.memory_budget, settings.memory_budget_bytes),
             chunk_rows=args.chunk_rows, plan=plan, on_learned=plans.put, probe=probe, try_xla=settings.try_xla,
             block_bytes=settings.block_bytes,
-            on_plan=lambda plan: print(f"plan: {plan}", file=sys.stderr, flush=True),
-            on_progress=_ProgressPrinter(),
+            on_plan=on_plan, on_progress=lambda p: progress.update(p.rows_done, p.rows_total, rate=p.rows_per_second,
+                                                                   eta=p.eta_seconds),
             manifest_fields={"model": {"path": model_path, "signature": args.signature}})
     except (EngineError, InvalidInputs) as err:
+        progress.close()
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        progress.close()
     done = manifest.get("plan") or {}
     if done.get("rows_computed"):
         rate = done["rows_computed"] / max(done.get("run_seconds") or 1e-9, 1e-9)

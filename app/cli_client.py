@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 KINDS = ("jacobian", "batch_jacobian", "hessian")
 MODES = ("auto", "reverse", "forward")
@@ -39,63 +38,13 @@ def _fail(kind: str, message: str, code: int = 2) -> int:
     return code
 
 
-def _fmt_duration(seconds: float | None) -> str:
-    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
-        return "--"
-    seconds = float(seconds)
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, sec = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes}m{sec:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
-
-class ProgressBar:
-    """A one-line text progress bar on ``stream`` redrawn with ``\\r``: bar, percent, rows, rows/s, ETA."""
-
-    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.width = width
-        self._last_len = 0
-        self._last_text = ""
-
-    @staticmethod
-    def line(record: dict[str, Any], width: int = 30) -> str:
-        progress = record.get("progress") or {}
-        done = progress.get("rows_done") or 0
-        total = progress.get("rows_total")
-        fraction = progress.get("fraction")
-        if not isinstance(fraction, (int, float)):
-            fraction = done / total if isinstance(total, int) and total > 0 else 0.0
-        fraction = min(1.0, max(0.0, float(fraction)))
-        filled = int(round(width * fraction))
-        bar = "#" * filled + "-" * (width - filled)
-        rate = progress.get("rows_per_second")
-        rate_text = f"{rate:,.1f} rows/s" if isinstance(rate, (int, float)) else "-- rows/s"
-        eta = progress.get("eta_seconds")
-        if record.get("status") == "succeeded":
-            eta = 0.0
-        total_text = f"{total:,}" if isinstance(total, int) else "?"
-        return (f"[{bar}] {100 * fraction:5.1f}%  rows {done:,}/{total_text}  {rate_text}  "
-                f"ETA {_fmt_duration(eta)}  {record.get('status', '?')}")
-
-    def update(self, record: dict[str, Any]) -> None:
-        text = self.line(record, self.width)
-        if text == self._last_text:
-            return
-        self._last_text = text
-        pad = " " * max(0, self._last_len - len(text))
-        self.stream.write("\r" + text + pad)
-        self.stream.flush()
-        self._last_len = len(text)
-
-    def finish(self) -> None:
-        if self._last_len:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._last_len = 0
+def _show_record(progress: Any, record: dict[str, Any]) -> None:
+    """A job record's progress on ``progress`` (``app.progress.RowProgress``): rows, rate, ETA, status, strategy."""
+    numbers = record.get("progress") or {}
+    strategy = (record.get("plan") or {}).get("strategy")
+    state = ", ".join(str(s) for s in (record.get("status"), strategy and f"strategy {strategy}") if s)
+    progress.update(numbers.get("rows_done") or 0, numbers.get("rows_total"), rate=numbers.get("rows_per_second"),
+                    eta=numbers.get("eta_seconds"), state=state)
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -127,20 +76,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, failed_cls: type) -> int:
-    bar = ProgressBar(sys.stderr)
+    from app.progress import RowProgress
+
+    # a bar on a terminal; in a log or a pipe, a plain line every 10 s, on each new status and at the end
+    progress = RowProgress(sys.stderr, enabled=not args.quiet)
     try:
-        record = client.wait(job_id, on_progress=None if args.quiet else bar.update, poll_s=args.poll,
+        record = client.wait(job_id, on_progress=lambda r: _show_record(progress, r), poll_s=args.poll,
                              timeout_s=args.timeout)
     except failed_cls as exc:
-        bar.finish()
+        progress.close()
         return _fail(exc.type, exc.message, code=1)
     except error_cls as exc:
-        bar.finish()
+        progress.close()
         return _fail(exc.type, exc.message)
     except TimeoutError as exc:
-        bar.finish()
+        progress.close()
         return _fail("Timeout", f"{exc}; it goes on: jacobian status {job_id}", code=1)
-    bar.finish()
+    finally:
+        progress.close()
     result = record.get("result") or {}
     print(f"succeeded: {job_id} shape {result.get('shape')} {result.get('dtype')} at {result.get('uri')}",
           file=sys.stderr, flush=True)
@@ -186,6 +139,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     import numpy as np
 
     from app.client import JacobianError
+    from app.progress import RowProgress
 
     try:
         rows = _parse_rows(args.rows)
@@ -193,6 +147,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         return _fail("InvalidRequest", str(exc))
     out = Path(args.output)
     tmp = out.with_name(f".{out.name}.part")
+    progress = RowProgress(sys.stderr, enabled=not args.quiet)
     with _client(args) as client:
         try:
             pages = client.iter_rows(args.id, rows, page_bytes=args.page_bytes)
@@ -206,22 +161,25 @@ def cmd_fetch(args: argparse.Namespace) -> int:
                 target = np.lib.format.open_memmap(tmp, mode="w+", dtype=first.dtype, shape=(n_rows,) + first.shape[1:])
                 target[:first.shape[0]] = first
                 at = first.shape[0]
+                progress.update(at, n_rows)
                 for page in pages:
                     target[at:at + page.shape[0]] = page
                     at += page.shape[0]
-                    if not args.quiet:
-                        print(f"\rrows {at:,}/{n_rows:,}", end="", file=sys.stderr, flush=True)
+                    progress.update(at, n_rows)
                 target.flush()
                 del target
-                if not args.quiet:
-                    print(file=sys.stderr)
+            progress.close()
             os.replace(tmp, out)
         except JacobianError as exc:
+            progress.close()
             tmp.unlink(missing_ok=True)
             return _fail(exc.type, exc.message)
         except OSError as exc:
+            progress.close()
             tmp.unlink(missing_ok=True)
             return _fail("OSError", f"-o: cannot write {str(out)!r} ({exc.strerror or exc})")
+        finally:
+            progress.close()
     arr = np.load(out, mmap_mode="r")
     print(f"wrote {out}: {arr.shape} {arr.dtype}", file=sys.stderr, flush=True)
     return 0

@@ -100,8 +100,8 @@ class Stack:
 
     def cli(self, *args: str, api: Api | None = None, timeout_s: float = 180.0,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        """``jacobian ARGS`` with ``JACOBIAN_API_URL`` of ``api`` (default the first); output as text with
-        carriage returns kept (progress bars redraw with ``\\r``)."""
+        """``jacobian ARGS`` with ``JACOBIAN_API_URL`` of ``api`` (default the first); output as text, as
+        written (stderr is a pipe here: progress comes as plain lines, not a bar redrawn with ``\\r``)."""
         target = api or self.apis[0]
         run_env = {**self.env(), "JACOBIAN_API_URL": target.url, **(env or {})}
         done = subprocess.run(jacobian_exe() + list(args), env=run_env, cwd=REPO, capture_output=True,

@@ -45,7 +45,7 @@ def test_compute_writes_zarr_equal_to_tape_jacobian(multi_io_model: Path, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     uri = proc.stdout.strip()
     assert uri == str(out / "cli1" / "result.zarr")
-    assert "rows 6/6" in proc.stderr  # progress on stderr
+    assert "rows 6/6 (100.0%)" in proc.stderr and "\r" not in proc.stderr  # progress on stderr: plain lines
 
     loaded = tf.saved_model.load(str(multi_io_model))
     fn = loaded.signatures["serving_default"]
