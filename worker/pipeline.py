@@ -131,7 +131,7 @@ def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, rows:
             report = run_problem(problem, ranges=ranges, memory_budget_bytes=memory_budget_bytes,
                                  chunk_rows=chunk_rows, on_plan=take_plan, on_chunk=take_chunk,
                                  should_stop=should_stop, strategy=strategy, plan=plan, refine=refine,
-                                 probe=probe, try_xla=try_xla)
+                                 probe=probe, try_xla=try_xla, host_reserved_bytes=writer.host_bytes)
             plan_now.update(report.plan or {})
             plan_now.update({"rows_computed": report.rows_computed, "run_seconds": round(report.seconds, 3)})
             if on_learned is not None:

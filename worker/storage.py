@@ -116,6 +116,8 @@ class ResultWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_blocks)
+        self.host_bytes = (queue_blocks + 2) * max((b.rows for b in self.blocks), default=0) * (
+            self.layout.row_bytes // max(1, self.layout.itemsize) * self.dtype.itemsize)
         self._thread = threading.Thread(target=self._drain, name=f"result-writer-{job_id}", daemon=True)
         self._thread.start()
 

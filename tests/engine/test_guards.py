@@ -130,3 +130,39 @@ def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, mo
     got, again = compute_in_memory(model, inputs, plan=learned, refine="never")
     assert again.plan["strategy"] == "vectorized"
     np.testing.assert_allclose(got, tape_jacobian(model, inputs, "y", "x"), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sqrt_models(tmp_path_factory):
+    """``y = sqrt(x)`` (independent examples, an infinite derivative at 0) and ``z = sqrt(x) + mean(x)`` over
+    the batch (dependent); ``x`` (None, 3)."""
+    import tensorflow as tf
+
+    from worker.engine import load_model
+
+    class Sqrt(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
+        def __call__(self, x):
+            return {"y": tf.sqrt(x), "z": tf.sqrt(x) + tf.reduce_mean(x, axis=0, keepdims=True)}
+
+    path = tmp_path_factory.mktemp("guards") / "sqrt"
+    module = Sqrt()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
+    return load_model(str(path))
+
+
+def test_the_independence_check_is_nan_aware(sqrt_models):
+    """A zero in the probed example made its derivative infinite, the tolerance infinite, and a batch that
+    depends on other examples passed; and 0 * inf = NaN on an independent example is no dependence."""
+    from worker.engine import build_problem
+    from worker.engine.errors import BatchNotIndependent
+
+    x = np.abs(rand((4, 3), seed=2)) + 0.5
+    x[0, 0] = x[3, 1] = 0.0  # the probed examples (first and last) have an infinite derivative
+    inputs = {"x": x}
+    independent = build_problem(sqrt_models, inputs, of="y", kind="batch_jacobian", check_independence=True)
+    got, _ = compute_in_memory(sqrt_models, inputs, of="y", kind="batch_jacobian")
+    assert np.isinf(got[0, 0, 0]) and got[1, 0, 0] == 0.5 / np.sqrt(x[1, 0])
+    assert independent.kind == "batch_jacobian"
+    with pytest.raises(BatchNotIndependent, match="independent examples"):
+        build_problem(sqrt_models, inputs, of="z", kind="batch_jacobian", check_independence=True)

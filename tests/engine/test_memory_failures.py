@@ -203,3 +203,42 @@ def test_a_corrected_fit_refuses_the_size_that_failed_even_with_no_fixed_part():
     usable = 0.8 * (256 << 20)
     corrected = ChunkRun.below(SimpleNamespace(usable=usable), LinearFit(0.0, 1000.0), 64)
     assert plan_chunk(rows_total=1024, memory=corrected, free_bytes=1 << 40, budget_bytes=256 << 20) == 32
+
+
+# -- host memory on a GPU ---------------------------------------------------------------------------------
+
+class HostLimited(Probe):
+    """A GPU with plenty of device memory on a host with ``host_free`` bytes free."""
+
+    def __init__(self, host_free: int):
+        super().__init__(is_gpu=True, free_bytes=64 << 30)
+        self.host_free = host_free
+
+    def host_free_bytes(self) -> int:
+        return self.host_free
+
+
+def test_on_a_gpu_chunks_fit_the_hosts_memory_beside_the_writers_buffers(wide_mlp):
+    """64 GiB free on the GPU, but the host can take only about 40 rows (half its free memory, two copies
+    of each row) once the writer's 1 MiB is counted: no chunk is larger, the rows stay right, the status
+    says why."""
+    from worker.engine.chunk_run import HOST_COPIES, HOST_SHARE
+
+    inputs = {"x": rand((4, 256))}
+    problem = build_problem(wide_mlp, inputs)
+    reserved = 1 << 20
+    row_bytes = problem.layout.row_bytes
+    probe = HostLimited(int((reserved + 40.5 * HOST_COPIES * row_bytes) / HOST_SHARE))
+    got = np.empty((200,) + problem.layout.row_shape, np.float32)
+
+    def keep(start, rows):
+        got[start:start + len(rows)] = rows
+
+    report = run_problem(problem, probe=probe, on_chunk=keep, strategy="vectorized", throughput_cap=False,
+                         host_reserved_bytes=reserved, ranges=[(0, 200)])
+    assert report.plan["host_rows_cap"] == 40 and max(probe.chunks) <= 40, (report.plan, probe.chunks)
+    want = tape_jacobian(wide_mlp, inputs, "y", "x")
+    np.testing.assert_allclose(got, want.reshape((-1,) + problem.layout.row_shape)[:200], rtol=1e-5, atol=1e-6)
+    # On the CPU the device memory the planner reads is the host's: no separate cap.
+    cpu = run_problem(problem, probe=Probe(), strategy="vectorized", throughput_cap=False, ranges=[(0, 8)])
+    assert "host_rows_cap" not in cpu.plan

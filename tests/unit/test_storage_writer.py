@@ -43,6 +43,7 @@ def test_blocks_written_in_order_and_readable_with_plain_zarr(tmp_path: Path, la
     with ResultWriter(str(tmp_path), "job1", layout=layout, dtype="float32", attrs={"kind": "jacobian"},
                       retry=FAST) as w:
         assert w.pending_ranges() == [(0, 6)]
+        assert w.host_bytes == (2 + 2) * 2 * 5 * 4  # queue_blocks + 2 blocks of 2 rows: what the engine reserves
         feed(w, rows_of(J, layout), [1, 3, 2])  # compute chunks straddle block boundaries
     assert w.committed_blocks() == {0, 1, 2}
     arr = zarr.open_array(str(tmp_path / "job1" / "result.zarr" / "jacobian"), mode="r")

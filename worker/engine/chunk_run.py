@@ -22,6 +22,10 @@ from worker.engine.strategies import ChunkKey, chunk_function, is_compiled
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_ROWS = 4096
+# On a GPU each chunk's rows are copied to the host (one copy, then the writer's block buffer): a chunk
+# takes at most this share of the host memory free at the start, after the writer's own buffers.
+HOST_SHARE = 0.5
+HOST_COPIES = 2
 SAFETY = 0.8   # chunks are planned to peak at no more than this share of the memory limit
 # TensorFlow's CPU allocator counts allocations from about 128 KiB up (smaller ones read 0), its GPU allocator
 # all of them: a chunk whose result alone is this large and whose peak reads 0 ran on memory it does not see.
@@ -62,7 +66,7 @@ class ChunkRun:
 
     def __init__(self, problem: Problem, plan: Plan, probe: MemoryProbe, *, budget: int | None,
                  chunk_rows: int | None, throughput_cap: bool, refine: str, try_xla: bool, pinned: bool,
-                 on_plan: Callable[[dict[str, Any]], None] | None) -> None:
+                 on_plan: Callable[[dict[str, Any]], None] | None, host_reserved_bytes: int = 0) -> None:
         self.problem, self.plan, self.probe = problem, plan, probe
         self.budget, self.chunk_rows, self.throughput_cap = budget, chunk_rows, throughput_cap
         self.refine, self.pinned, self.on_plan = refine, pinned, on_plan
@@ -87,6 +91,22 @@ class ChunkRun:
             "free_bytes_at_start": self.free_at_start, "bytes_per_row": None, "fixed_bytes": None,
             "oom_retries": 0, "xla": parse_label(plan.strategy)[1], "source": plan.source,
             "plan_key": plan.key.digest if plan.key else None, "trial": None}
+        self.max_rows = self._host_rows_cap(host_reserved_bytes)
+
+    def _host_rows_cap(self, reserved: int) -> int:
+        """The most rows a chunk may have: ``MAX_CHUNK_ROWS``, and on a GPU what the host can take of them
+        (``HOST_SHARE`` of its free memory, less ``reserved``: the result writer's buffers, for
+        ``HOST_COPIES`` copies of each row). On the CPU the device memory the planner reads is the host's."""
+        host_free = getattr(self.probe, "host_free_bytes", None)
+        if not getattr(self.probe, "is_gpu", False) or host_free is None:
+            return MAX_CHUNK_ROWS
+        room = HOST_SHARE * int(host_free()) - reserved
+        cap = max(1, min(MAX_CHUNK_ROWS, int(room // max(1, HOST_COPIES * self.problem.layout.row_bytes))))
+        self.status.update({"host_free_bytes": int(host_free()), "host_rows_cap": cap})
+        if cap < MAX_CHUNK_ROWS:
+            log.info("chunks capped at %d rows by host memory (%d bytes free, %d for the writer)", cap,
+                     int(host_free()), reserved)
+        return cap
 
     # -- one chunk ------------------------------------------------------------------------------
 
@@ -176,7 +196,7 @@ class ChunkRun:
         if self.chunk_rows is not None:
             n = max(1, min(self.chunk_rows, remaining))
             return n, n, self.chunk_rows
-        cap = self.k_cap.get(label, MAX_CHUNK_ROWS)
+        cap = min(self.k_cap.get(label, self.max_rows), self.max_rows)
         cal = self.cal.setdefault(label, Calibration())
         record = self.plan.record(label)
         memory = record.memory_at(self.batch)
@@ -189,7 +209,7 @@ class ChunkRun:
         else:
             # Planned from the rows this run has to do (a shard's or a resumed job's, not the job's).
             k = plan_chunk(rows_total=self.pending, memory=memory, free_bytes=self.free_at_start,
-                           budget_bytes=self.budget, safety=SAFETY, max_rows=MAX_CHUNK_ROWS,
+                           budget_bytes=self.budget, safety=SAFETY, max_rows=self.max_rows,
                            seconds=record.seconds if self.throughput_cap else None,
                            preferred_rows=record.preferred_rows if self.throughput_cap else None)
             k = max(1, min(k, cap))
@@ -227,7 +247,7 @@ class ChunkRun:
             record.compile_s = round(max(cal.first_call_s - seconds, 0.0), 3)
         grow = tuning.keep_growing(dict(cal.seconds), k,
                                    peak_bytes=cal.peaks[k], usable_bytes=self.usable,
-                                   max_rows=min(self.k_cap.get(label, MAX_CHUNK_ROWS), MAX_CHUNK_ROWS),
+                                   max_rows=min(self.k_cap.get(label, self.max_rows), self.max_rows),
                                    by_throughput=self.throughput_cap)
         if grow and remaining_after >= 2 * k:
             cal.k = 2 * k

@@ -130,6 +130,16 @@ def _cgroup_free() -> int | None:
         return None
 
 
+def host_free_bytes(reserve_bytes: int = 0) -> int:
+    """Host memory this process may still use: /proc's MemAvailable, within the cgroup's limit (containers),
+    less ``reserve_bytes``."""
+    free = _meminfo_available() - reserve_bytes
+    cg = _cgroup_free()
+    if cg is not None:
+        free = min(free, cg - reserve_bytes)
+    return max(0, free)
+
+
 _POOL_HIGH_WATER: dict[str, int] = {}  # per device: the largest allocator peak this process has seen
 
 
@@ -162,12 +172,13 @@ class TFMemoryProbe:
 
     def free_bytes(self) -> int:
         if not self.is_gpu:
-            free = _meminfo_available() - self.host_reserve_bytes
-            cg = _cgroup_free()
-            if cg is not None:
-                free = min(free, cg - self.host_reserve_bytes)
-            return max(0, free)
+            return self.host_free_bytes()
         return max(0, self._gpu_free_bytes())
+
+    def host_free_bytes(self) -> int:
+        """Host memory free now (``host_free_bytes`` less the probe's reserve): on a GPU, where each chunk's
+        rows land and the result writer's blocks wait (``ChunkRun`` caps chunks by it)."""
+        return host_free_bytes(self.host_reserve_bytes)
 
     def _gpu_free_bytes(self) -> int:
         """What this process may still use on the GPU now: NVML's free memory (other tenants seen) plus the

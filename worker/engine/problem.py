@@ -235,6 +235,13 @@ def _forward_agrees(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: st
     return None
 
 
+def _finite_max(a: np.ndarray) -> float:
+    """The largest finite ``|a|`` (0.0 when none is finite)."""
+    a = np.abs(np.asarray(a, np.float64))
+    finite = a[np.isfinite(a)]
+    return float(finite.max()) if finite.size else 0.0
+
+
 def verify_independence(problem: Problem, *, tolerance: float = 1e-5, seed: int = 0) -> None:
     """Random-probe check that example ``i`` of ``of`` depends only on example ``i`` of ``wrt``.
 
@@ -255,8 +262,10 @@ def verify_independence(problem: Problem, *, tolerance: float = 1e-5, seed: int 
             tape.watch(x)
             y = problem.model.fn(**problem.inputs)[problem.of]
         g = tape.gradient(y, x, output_gradients=tf.constant(u)).numpy().reshape(batch, -1)
-        own = float(np.abs(g[example]).max()) or 1.0
-        others = np.abs(np.delete(g, example, axis=0)).max()
+        # Finite entries only: an infinite derivative of the probed example (sqrt at 0) must not widen the
+        # tolerance to infinity, and 0 * inf = NaN on an independent example is no dependence.
+        own = _finite_max(g[example]) or 1.0
+        others = _finite_max(np.delete(g, example, axis=0))
         if others > tolerance * own:
             raise BatchNotIndependent(
                 f"kind: batch_jacobian needs independent examples, but example {example} of {problem.of!r} "

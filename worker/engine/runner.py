@@ -60,7 +60,8 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
                 probe: MemoryProbe | None = None, strategy: str | None = None, refine: str = "auto",
                 try_xla: bool = True, on_plan: Callable[[dict[str, Any]], None] | None = None,
                 on_chunk: Callable[[int, np.ndarray], None] | None = None,
-                should_stop: Callable[[], bool] | None = None, throughput_cap: bool = True) -> RunReport:
+                should_stop: Callable[[], bool] | None = None, throughput_cap: bool = True,
+                host_reserved_bytes: int = 0) -> RunReport:
     """Compute ``ranges`` of rows (default all) chunk by chunk; see docs/ENGINE_API.md.
 
     ``plan`` (from a plan cache; default: ``default_plan``) says which strategy runs and what is
@@ -70,6 +71,8 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
     ``"never"`` does not (shards: every row computed alike), ``"always"`` tries every alternative now.
     ``throughput_cap=False`` plans by memory alone (the largest chunk that fits), ignoring the
     measured rows/s sweet spot; tests of the memory logic use it to be independent of timing.
+    ``host_reserved_bytes``: host memory the caller holds per job besides the chunks (the result writer's
+    buffers); on a GPU chunks are capped so that their rows fit on the host beside it.
     ``on_chunk(start, rows)`` gets rows ``(n,) + row_shape`` in ``problem.dtype`` in ascending order.
     Raises EngineError (``Stopped`` when ``should_stop()`` turns true between chunks).
     """
@@ -93,7 +96,8 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
                                          budget_bytes=memory_budget_bytes)
     run = ChunkRun(problem, plan, probe, budget=memory_budget_bytes, chunk_rows=chunk_rows,
                    throughput_cap=throughput_cap, refine="never" if strategy is not None else refine,
-                   try_xla=try_xla, pinned=strategy is not None, on_plan=on_plan)
+                   try_xla=try_xla, pinned=strategy is not None, on_plan=on_plan,
+                   host_reserved_bytes=host_reserved_bytes)
     job_strategy = plan.strategy
     rows_done, compute_s = execute(run, todo, applicable, on_chunk=on_chunk, should_stop=should_stop)
     if plan.strategy == job_strategy and plan.record(steady).usable:
