@@ -11,6 +11,7 @@ With ``JACOBIAN_DOCS_IMAGES=1`` the screenshot and the preview are also copied t
 from __future__ import annotations
 
 import html
+import io
 import os
 import re
 import shutil
@@ -22,9 +23,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from app.client import JacobianClient
-from app.heatmap import decode_png
 from tests import models
 from tests.e2e.stack import Api, Stack, print_logs
 
@@ -87,6 +88,12 @@ def job_row(dom: str, job_id: str) -> str:
     m = re.search(r'<tr\b[^>]*\bdata-job-id="' + re.escape(job_id) + r'"[^>]*>.*?</tr>', dom, re.DOTALL)
     assert m, f"job {job_id} not in the page"
     return html.unescape(re.sub(r"<[^>]+>", " ", m.group(0)))
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """A PNG as ``(h, w, 3)`` uint8 RGB (Pillow)."""
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
 
 
 def png_size(data: bytes) -> tuple[int, int]:
