@@ -128,13 +128,13 @@ def colour_limit(panels: np.ndarray) -> float:
 
 def _set_ticks(axis: Any, shape: tuple[int, ...]) -> None:
     """Labelled ticks at the first element of each entry of the leading axis when it has a few
-    (``(3, 16)``: 0, 16, 32; with a minor tick per element up to 64), else at a few round indices."""
+    (``(3, 16)``: 0, 16, 32; with a minor tick per element up to 32), else at a few round indices."""
     from matplotlib.ticker import FixedLocator, MaxNLocator, MultipleLocator
 
     n = math.prod(shape)
     if len(shape) >= 2 and 2 <= shape[0] <= 10 and n > shape[0]:
         axis.set_major_locator(FixedLocator(np.arange(0, n, n // shape[0])))
-        if n <= 64:
+        if n <= 32:
             axis.set_minor_locator(MultipleLocator(1))
     else:
         axis.set_major_locator(MaxNLocator(nbins=6, integer=True, min_n_ticks=1))
