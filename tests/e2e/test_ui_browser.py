@@ -4,8 +4,8 @@ and ``GET /v1/jobs/{id}/preview.png``.
 A job is submitted while no worker runs, so the page must first show it ``queued``; then a worker
 starts and the page (polled with ``chromium --dump-dom``) must show the same job ``succeeded`` with
 full progress. A screenshot of the job view with its heatmap is taken with ``--screenshot``.
-With ``JACOBIAN_DOCS_IMAGES=1`` the screenshot and the preview are also copied to
-``docs/ui-screenshot.png`` and ``docs/preview-example.png``.
+With ``JACOBIAN_DOCS_IMAGES=1`` the screenshot is also copied to ``docs/ui-screenshot.png`` (the
+preview images in docs/ come from ``scripts/preview_examples.py``).
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def test_ui_shows_a_job_progress_to_succeeded(stack: Stack, tmp_path: Path) -> N
         r = httpx.get(f"{api.url}/v1/jobs/{batch_id}/preview.png")
         assert r.status_code == 200, r.text
         assert r.headers["x-preview-panels"] == "4/6" and r.headers["x-preview-matrix"] == "16x24"
+        (tmp_path / "preview-batch.png").write_bytes(r.content)
         assert decode_png(r.content).shape[1] > 4 * 16 * 8
 
     if os.environ.get("JACOBIAN_DOCS_IMAGES") == "1":
         shutil.copyfile(shot, REPO / "docs" / "ui-screenshot.png")
-        shutil.copyfile(preview, REPO / "docs" / "preview-example.png")
