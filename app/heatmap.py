@@ -231,10 +231,10 @@ def heatmap_figure(ds: Downsampled, *, title: str, subtitle: str = "", row_axis:
                        labelbottom=p + grid.ncols >= n)  # tick labels on the outer panels only
         ax.tick_params(which="minor", length=1.5)
         if panel_titles:
-            ax.set_title(panel_titles[p], fontsize=plots.TEXT_PT, pad=4)
+            ax.set_title(panel_titles[p], fontsize=plots.TEXT_PT, pad=4, parse_math=False)
 
     grid_w, grid_h = natural_w - grid.left - grid.right, fig_h - grid.top - grid.bottom
-    label = {"fontsize": plots.TEXT_PT, "color": plots.INK}
+    label = {"fontsize": plots.TEXT_PT, "color": plots.INK, "parse_math": False}
     plots.text_in(fig, shift + plots.PAD_IN, grid.bottom + grid_h / 2, row_axis.label("rows"), rotation=90,
                   ha="left", va="center", **label)
     plots.text_in(fig, shift + grid.left + grid_w / 2, grid.bottom - 0.3, col_axis.label("columns"),

@@ -56,8 +56,8 @@ def add_axes_in(fig: Figure, left_in: float, bottom_in: float, width_in: float, 
 
 def text_in(fig: Figure, x_in: float, y_in: float, text: str, **kwargs: Any) -> Any:
     """``fig.text`` at a position given in inches from the figure's bottom-left corner (kept there when
-    the figure is resized)."""
-    return fig.text(x_in, y_in, text, transform=fig.dpi_scale_trans, **kwargs)
+    the figure is resized), ``$`` taken literally (tensor names are not mathtext)."""
+    return fig.text(x_in, y_in, text, transform=fig.dpi_scale_trans, **{"parse_math": False, **kwargs})
 
 
 def figure_to_png(fig: Figure) -> bytes:
@@ -70,5 +70,5 @@ def figure_to_png(fig: Figure) -> bytes:
 def placeholder(message: str) -> bytes:
     """A small PNG saying ``message`` (for a result with nothing to draw)."""
     fig = new_figure(max(3.0, 0.09 * len(message) + 0.6), 0.8)
-    fig.text(0.5, 0.5, message, ha="center", va="center", fontsize=TEXT_PT + 1, color=INK)
+    fig.text(0.5, 0.5, message, ha="center", va="center", fontsize=TEXT_PT + 1, color=INK, parse_math=False)
     return figure_to_png(fig)

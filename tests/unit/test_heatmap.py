@@ -209,6 +209,14 @@ def test_nan_inf_and_constant_results_render(tmp_path, figures, fill):
         assert tuple(pixel(img, figures[0].axes[0], 3.5 / 8, 2.5 / 6)) == (160, 160, 160)
 
 
+def test_names_are_not_mathtext(tmp_path, figures):
+    z = zarr.create_array(str(tmp_path / "d.zarr"), shape=(2, 3), chunks=(2, 3), dtype="float32",
+                          attributes={"kind": "jacobian", "of": "y$\\frac$", "wrt": "x_$^^$"})
+    z[...] = 1.0
+    decode(render_preview(z, kind=None, panels=4, size=512)[0])
+    assert "Jacobian ∂y$\\frac$/∂x_$^^$" in [t.get_text() for t in figures[0].texts]
+
+
 def test_colour_limit():
     assert colour_limit(np.array([[-3.0, 2.0, np.nan, np.inf]])) == 3.0
     assert colour_limit(np.zeros((2, 2))) == 1.0 and colour_limit(np.full((2, 2), np.nan)) == 1.0
