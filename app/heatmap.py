@@ -1,136 +1,20 @@
-"""Heatmap images with numpy only: block-averaged downsampling of a Zarr array read chunk by chunk,
-a diverging colour map centred on zero, a 5x7 bitmap font for labels, and a minimal PNG encoder
-(zlib + struct). No Pillow, no matplotlib.
+"""Heatmaps of a Zarr array seen as a matrix: block-averaged downsampling read one storage chunk at a
+time, drawn by matplotlib (``app.plots``) with a diverging colour map centred on zero.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-# -- PNG ---------------------------------------------------------------------------------------------
+from app import plots
 
-
-def encode_png(rgb: np.ndarray, *, level: int = 6) -> bytes:
-    """An 8-bit RGB image ``(h, w, 3)`` as PNG bytes (filter type 0 on every scanline)."""
-    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
-    if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:
-        raise ValueError(f"encode_png: want a non-empty (h, w, 3) array, got {rgb.shape}")
-    h, w, _ = rgb.shape
-    raw = np.zeros((h, 1 + 3 * w), dtype=np.uint8)
-    raw[:, 1:] = rgb.reshape(h, 3 * w)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8 bits, truecolour, deflate, no filter, no interlace
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw.tobytes(), level))
-            + chunk(b"IEND", b""))
-
-
-def decode_png(data: bytes) -> np.ndarray:
-    """Inverse of ``encode_png`` for its own output (8-bit RGB, filter 0); for tests."""
-    if data[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError("not a PNG")
-    pos, idat, width, height = 8, b"", 0, 0
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        if zlib.crc32(tag + body) & 0xFFFFFFFF != struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]:
-            raise ValueError(f"bad CRC in chunk {tag!r}")
-        if tag == b"IHDR":
-            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
-            if (depth, colour) != (8, 2):
-                raise ValueError("only 8-bit RGB")
-        elif tag == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + 3 * width)
-    if raw[:, 0].any():
-        raise ValueError("only filter type 0")
-    return raw[:, 1:].reshape(height, width, 3).copy()
-
-
-# -- colours -----------------------------------------------------------------------------------------
-
-# ColorBrewer RdBu (11 classes), from -1 (dark blue) through white-ish at 0 to +1 (dark red).
-_STOPS = np.array([
-    (5, 48, 97), (33, 102, 172), (67, 147, 195), (146, 197, 222), (209, 229, 240), (255, 255, 255),
-    (253, 219, 199), (244, 165, 130), (214, 96, 77), (178, 24, 43), (103, 0, 31)], dtype=np.float64)
-_POSITIONS = np.linspace(-1.0, 1.0, len(_STOPS))
-NAN_RGB = (160, 160, 160)
-
-
-def diverging(values: np.ndarray, limit: float) -> np.ndarray:
-    """``values`` in ``[-limit, limit]`` -> RGB (blue negative, white zero, red positive); NaN grey."""
-    v = np.asarray(values, dtype=np.float64)
-    t = np.clip(v / limit if limit > 0 else np.zeros_like(v), -1.0, 1.0)
-    t = np.where(np.isfinite(v), t, 0.0)
-    rgb = np.stack([np.interp(t, _POSITIONS, _STOPS[:, c]) for c in range(3)], axis=-1)
-    rgb = np.rint(rgb).astype(np.uint8)
-    rgb[~np.isfinite(v)] = NAN_RGB
-    return rgb
-
-
-# -- a 5x7 bitmap font -------------------------------------------------------------------------------
-
-_GLYPHS_SRC = {
-    "0": ".###. #...# #..## #.#.# ##..# #...# .###.", "1": "..#.. .##.. ..#.. ..#.. ..#.. ..#.. .###.",
-    "2": ".###. #...# ....# ...#. ..#.. .#... #####", "3": "##### ...#. ..#.. ...#. ....# #...# .###.",
-    "4": "...#. ..##. .#.#. #..#. ##### ...#. ...#.", "5": "##### #.... ####. ....# ....# #...# .###.",
-    "6": "..##. .#... #.... ####. #...# #...# .###.", "7": "##### ....# ...#. ..#.. .#... .#... .#...",
-    "8": ".###. #...# #...# .###. #...# #...# .###.", "9": ".###. #...# #...# .#### ....# ...#. .##..",
-    "A": ".###. #...# #...# ##### #...# #...# #...#", "B": "####. #...# #...# ####. #...# #...# ####.",
-    "C": ".###. #...# #.... #.... #.... #...# .###.", "D": "###.. #..#. #...# #...# #...# #..#. ###..",
-    "E": "##### #.... #.... ####. #.... #.... #####", "F": "##### #.... #.... ####. #.... #.... #....",
-    "G": ".###. #...# #.... #.### #...# #...# .####", "H": "#...# #...# #...# ##### #...# #...# #...#",
-    "I": ".###. ..#.. ..#.. ..#.. ..#.. ..#.. .###.", "J": "..### ...#. ...#. ...#. ...#. #..#. .##..",
-    "K": "#...# #..#. #.#.. ##... #.#.. #..#. #...#", "L": "#.... #.... #.... #.... #.... #.... #####",
-    "M": "#...# ##.## #.#.# #.#.# #...# #...# #...#", "N": "#...# #...# ##..# #.#.# #..## #...# #...#",
-    "O": ".###. #...# #...# #...# #...# #...# .###.", "P": "####. #...# #...# ####. #.... #.... #....",
-    "Q": ".###. #...# #...# #...# #.#.# #..#. .##.#", "R": "####. #...# #...# ####. #.#.. #..#. #...#",
-    "S": ".#### #.... #.... .###. ....# ....# ####.", "T": "##### ..#.. ..#.. ..#.. ..#.. ..#.. ..#..",
-    "U": "#...# #...# #...# #...# #...# #...# .###.", "V": "#...# #...# #...# #...# #...# .#.#. ..#..",
-    "W": "#...# #...# #...# #.#.# #.#.# #.#.# .#.#.", "X": "#...# #...# .#.#. ..#.. .#.#. #...# #...#",
-    "Y": "#...# #...# .#.#. ..#.. ..#.. ..#.. ..#..", "Z": "##### ....# ...#. ..#.. .#... #.... #####",
-    "-": "..... ..... ..... ##### ..... ..... .....", "+": "..... ..#.. ..#.. ##### ..#.. ..#.. .....",
-    ".": "..... ..... ..... ..... ..... .##.. .##..", ":": "..... .##.. .##.. ..... .##.. .##.. .....",
-    "/": "..... ....# ...#. ..#.. .#... #.... .....", "_": "..... ..... ..... ..... ..... ..... #####",
-    "(": "...#. ..#.. .#... .#... .#... ..#.. ...#.", ")": ".#... ..#.. ...#. ...#. ...#. ..#.. .#...",
-    ",": "..... ..... ..... ..... .##.. ..#.. .#...", "=": "..... ..... ##### ..... ##### ..... .....",
-    "?": ".###. #...# ....# ...#. ..#.. ..... ..#..", " ": "..... ..... ..... ..... ..... ..... .....",
-    "[": ".###. .#... .#... .#... .#... .#... .###.", "]": ".###. ...#. ...#. ...#. ...#. ...#. .###.",
-    "*": "..... ..#.. #.#.# .###. #.#.# ..#.. .....", "'": "..#.. ..#.. .#... ..... ..... ..... .....",
-}
-GLYPHS = {ch: np.array([[c == "#" for c in row] for row in src.split()], dtype=bool)
-          for ch, src in _GLYPHS_SRC.items()}
-GLYPH_W, GLYPH_H = 5, 7
-
-
-def text_size(text: str, scale: int = 2) -> tuple[int, int]:
-    """``(width, height)`` in pixels of ``text`` drawn at ``scale``."""
-    return (max(0, len(text) * (GLYPH_W + 1) - 1) * scale, GLYPH_H * scale)
-
-
-def draw_text(img: np.ndarray, x: int, y: int, text: str, *, scale: int = 2,
-              colour: tuple[int, int, int] = (30, 30, 30)) -> None:
-    """Draw ``text`` (upper-cased; unknown characters as ``?``) with its top-left corner at ``(x, y)``."""
-    for i, ch in enumerate(text.upper()):
-        glyph = GLYPHS.get(ch, GLYPHS["?"])
-        big = np.repeat(np.repeat(glyph, scale, axis=0), scale, axis=1)
-        x0 = x + i * (GLYPH_W + 1) * scale
-        y1, x1 = min(img.shape[0], y + big.shape[0]), min(img.shape[1], x0 + big.shape[1])
-        if x0 >= img.shape[1] or y >= img.shape[0] or x0 < 0 or y < 0:
-            continue
-        region = img[y:y1, x0:x1]
-        region[big[:y1 - y, :x1 - x0]] = colour
-
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # -- downsampling ------------------------------------------------------------------------------------
 
@@ -215,83 +99,148 @@ def block_mean(array: Any, *, row_axes: int, batch: bool = False, max_panels: in
 
 # -- the picture -------------------------------------------------------------------------------------
 
-WHITE = (255, 255, 255)
-INK = (30, 30, 30)
-GREY = (120, 120, 120)
-FRAME = (90, 90, 90)
+CMAP = "RdBu_r"           # blue negative, white zero, red positive
+NAN_COLOUR = "#a0a0a0"    # cells whose block mean is NaN or infinite
+MAX_COLUMNS = 4           # panels side by side before a new row starts
 
 
-def _fmt(v: float) -> str:
-    if not math.isfinite(v):
-        return "NAN"
-    return f"{v:.3g}".upper().replace("E-0", "E-").replace("E+0", "E+")
+@dataclass(frozen=True)
+class MatrixAxis:
+    """One side of the matrix: the tensor ``name``, whose axes of ``shape`` are flattened onto it."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    def label(self, role: str) -> str:
+        """``"rows: y, shape (3, 16), flattened to 48"``."""
+        if not self.shape:
+            return f"{role}: {self.name} (a scalar)"
+        flat = f", flattened to {math.prod(self.shape)}" if len(self.shape) > 1 else ""
+        return f"{role}: {self.name}, shape {self.shape}{flat}"
 
 
-def _display_scale(n: int, target: int) -> int:
-    """Integer upscaling so that ``n`` cells cover at least ``target`` pixels when ``n`` is small."""
-    return max(1, target // n) if n < target else 1
-
-
-def render(ds: Downsampled, *, title: str, subtitle: str = "", panel_labels: Sequence[str] | None = None,
-           axis_labels: tuple[str, str] = ("ROWS", "COLS")) -> bytes:
-    """The heatmap panels side by side, one shared colour scale (symmetric at the largest absolute
-    block mean), a colour bar with its limits, labels; PNG bytes."""
-    panels = ds.panels
-    n, height, width = panels.shape
+def colour_limit(panels: np.ndarray) -> float:
+    """The colour scale's half-width: the largest absolute finite cell (1.0 when there is none or it is 0)."""
     finite = panels[np.isfinite(panels)]
     limit = float(np.abs(finite).max()) if finite.size else 0.0
-    limit = limit if limit > 0 else 1.0
-    target = 512 if n == 1 else 256
-    sy, sx = _display_scale(height, target), _display_scale(width, target)
-    ph, pw = height * sy, width * sx
-    scale, line_h = 2, GLYPH_H * 2 + 8
-    margin, gap, bar_w = 20, 24, 18
-    label_w = text_size("-0.000E-00", scale)[0]
-    top = margin + line_h * (2 if subtitle else 1) + 6 + (line_h if panel_labels else 0)
-    axis_pad = line_h + 10
-    img_w = margin + n * pw + (n - 1) * gap + gap + bar_w + 8 + label_w + margin
-    img_h = top + ph + axis_pad + line_h + margin
-    img = np.full((img_h, img_w, 3), WHITE, dtype=np.uint8)
+    return limit if limit > 0 else 1.0
 
-    draw_text(img, margin, margin, title, scale=scale, colour=INK)
-    if subtitle:
-        draw_text(img, margin, margin + line_h, subtitle, scale=scale, colour=GREY)
+
+def _set_ticks(axis: Any, shape: tuple[int, ...]) -> None:
+    """Labelled ticks at the first element of each entry of the leading axis when it has a few
+    (``(3, 16)``: 0, 16, 32; with a minor tick per element up to 32), else at a few round indices."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator, MultipleLocator
+
+    n = math.prod(shape)
+    if len(shape) >= 2 and 2 <= shape[0] <= 10 and n > shape[0]:
+        axis.set_major_locator(FixedLocator(np.arange(0, n, n // shape[0])))
+        if n <= 32:
+            axis.set_minor_locator(MultipleLocator(1))
+    else:
+        axis.set_major_locator(MaxNLocator(nbins=6, integer=True, min_n_ticks=1))
+
+
+def _footer(ds: Downsampled, limit: float) -> str:
+    parts = [f"min {ds.raw_min:.4g}   max {ds.raw_max:.4g}" if math.isfinite(ds.raw_min) else "no finite values"]
+    parts.append(f"colours from -{limit:.3g} to +{limit:.3g}, white at zero")
+    bad = int(np.count_nonzero(~np.isfinite(ds.panels)))
+    if bad:
+        parts.append(f"grey: {bad} NaN/inf cell{'s' if bad > 1 else ''}")
+    return "   ·   ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Where the panels go, in inches: ``ncols`` x ``nrows`` panels of ``panel_w`` x ``panel_h``."""
+
+    ncols: int
+    nrows: int
+    panel_w: float
+    panel_h: float
+    left: float       # row label and y tick labels
+    gap_x: float
+    gap_y: float      # x tick labels (above a missing panel) and the next panel's title
+    top: float        # header and the first panel's title
+    bottom: float = plots.FOOTER_IN + 0.6   # x tick labels, column label, footer
+    right: float = 1.35               # colour bar, its tick labels and its label
+
+    @property
+    def size(self) -> tuple[float, float]:
+        return (self.left + self.ncols * self.panel_w + (self.ncols - 1) * self.gap_x + self.right,
+                self.top + self.nrows * self.panel_h + (self.nrows - 1) * self.gap_y + self.bottom)
+
+    def panel(self, p: int) -> tuple[float, float]:
+        """Bottom-left corner of panel ``p`` (row-major from the top left)."""
+        row, col = divmod(p, self.ncols)
+        return (self.left + col * (self.panel_w + self.gap_x),
+                self.bottom + (self.nrows - 1 - row) * (self.panel_h + self.gap_y))
+
+
+def _grid(n: int, rows: int, cols: int, *, titled: bool) -> _Grid:
+    """Panels about 5 inches wide alone, 3.6 two abreast, 2.7 from three; height by the matrix's
+    aspect ratio clamped to 1:4..4:1, at most 5 (alone) or 3 inches."""
+    ncols = min(n, MAX_COLUMNS)
+    aspect = min(4.0, max(0.25, rows / cols))
+    panel_w = min({1: 5.0, 2: 3.6}.get(ncols, 2.7), (5.0 if n == 1 else 3.0) / aspect)
+    tick_w = 0.08 * len(str(rows)) + 0.12
+    title_h = 0.3 if titled else 0.0
+    return _Grid(ncols, -(-n // ncols), panel_w, panel_w * aspect, left=plots.PAD_IN + 0.3 + tick_w,
+                 gap_x=0.2, gap_y=0.35 + title_h, top=plots.HEADER_IN + title_h)
+
+
+def render_heatmap(ds: Downsampled, *, title: str, subtitle: str = "", row_axis: MatrixAxis,
+                   col_axis: MatrixAxis, panel_titles: Sequence[str] | None = None,
+                   value_label: str = "") -> bytes:
+    """PNG bytes of ``heatmap_figure``."""
+    return plots.figure_to_png(heatmap_figure(ds, title=title, subtitle=subtitle, row_axis=row_axis,
+                                              col_axis=col_axis, panel_titles=panel_titles,
+                                              value_label=value_label))
+
+
+def heatmap_figure(ds: Downsampled, *, title: str, subtitle: str = "", row_axis: MatrixAxis,
+                   col_axis: MatrixAxis, panel_titles: Sequence[str] | None = None,
+                   value_label: str = "") -> Figure:
+    """The panels ``ds.panels`` ``(P, H, W)`` as heatmaps in a grid of up to ``MAX_COLUMNS`` columns,
+    rows down and columns across with ticks at element indices of the full matrix, one shared diverging
+    colour scale symmetric about zero at the largest absolute cell, a colour bar, a title line, a
+    subtitle line and a footer with the raw minimum and maximum; the figure's axes are the panels in
+    order, then the colour bar."""
+    from matplotlib import colormaps
+    from matplotlib.colors import Normalize
+
+    n, height, width = ds.panels.shape
+    rows, cols = max(1, ds.rows), max(1, ds.cols)
+    limit = colour_limit(ds.panels)
+    grid = _grid(n, rows, cols, titled=bool(panel_titles))
+    natural_w, fig_h = grid.size
+    fig = plots.new_figure(natural_w, fig_h, title=title, subtitle=subtitle, footer=_footer(ds, limit))
+    shift = (fig.get_figwidth() - natural_w) / 2     # centre the panels when the texts widened the figure
+
+    cmap = colormaps[CMAP].with_extremes(bad=NAN_COLOUR)
+    norm = Normalize(vmin=-limit, vmax=limit)
+    extent = (-0.5, cols - 0.5, rows - 0.5, -0.5)  # element indices of the full matrix at cell centres
+    whole_pixels = width <= grid.panel_w * plots.DPI and height <= grid.panel_h * plots.DPI
     for p in range(n):
-        x0 = margin + p * (pw + gap)
-        rgb = diverging(panels[p], limit)
-        img[top:top + ph, x0:x0 + pw] = np.repeat(np.repeat(rgb, sy, axis=0), sx, axis=1)
-        img[top - 1, x0 - 1:x0 + pw + 1] = FRAME
-        img[top + ph, x0 - 1:x0 + pw + 1] = FRAME
-        img[top - 1:top + ph + 1, x0 - 1] = FRAME
-        img[top - 1:top + ph + 1, x0 + pw] = FRAME
-        if panel_labels:
-            draw_text(img, x0, top - line_h, panel_labels[p], scale=scale, colour=INK)
-        if p == 0:
-            draw_text(img, x0, top + ph + 8, f"{axis_labels[0]} DOWN, {axis_labels[1]} ACROSS", scale=scale,
-                      colour=GREY)
+        x, y = grid.panel(p)
+        ax = plots.add_axes_in(fig, shift + x, y, grid.panel_w, grid.panel_h)
+        image = ax.imshow(np.ma.masked_invalid(ds.panels[p]), cmap=cmap, norm=norm, aspect="auto", extent=extent,
+                          interpolation="nearest" if whole_pixels else "auto")
+        _set_ticks(ax.xaxis, col_axis.shape)
+        _set_ticks(ax.yaxis, row_axis.shape)
+        ax.tick_params(labelsize=plots.SMALL_PT, length=3, pad=2, labelleft=p % grid.ncols == 0,
+                       labelbottom=p + grid.ncols >= n)  # tick labels on the outer panels only
+        ax.tick_params(which="minor", length=1.5)
+        if panel_titles:
+            ax.set_title(panel_titles[p], fontsize=plots.TEXT_PT, pad=4, parse_math=False)
 
-    # colour bar: +limit at the top, -limit at the bottom
-    bx = margin + n * pw + (n - 1) * gap + gap
-    ramp = np.linspace(limit, -limit, ph)[:, None].repeat(bar_w, axis=1)
-    img[top:top + ph, bx:bx + bar_w] = diverging(ramp, limit)
-    img[top - 1, bx - 1:bx + bar_w + 1] = FRAME
-    img[top + ph, bx - 1:bx + bar_w + 1] = FRAME
-    img[top - 1:top + ph + 1, bx - 1] = FRAME
-    img[top - 1:top + ph + 1, bx + bar_w] = FRAME
-    lx = bx + bar_w + 8
-    th = GLYPH_H * scale
-    draw_text(img, lx, top, "+" + _fmt(limit), scale=scale, colour=INK)
-    draw_text(img, lx, top + ph // 2 - th // 2, "0", scale=scale, colour=INK)
-    draw_text(img, lx, top + ph - th, "-" + _fmt(limit), scale=scale, colour=INK)
-
-    footer = f"MIN {_fmt(ds.raw_min)}  MAX {_fmt(ds.raw_max)}  COLOUR SCALE +-{_fmt(limit)}"
-    draw_text(img, margin, top + ph + axis_pad, footer, scale=scale, colour=INK)
-    return encode_png(img)
-
-
-def placeholder(message: str) -> bytes:
-    """A small PNG with one line of text (an empty result)."""
-    w, h = text_size(message, 2)
-    img = np.full((h + 40, w + 40, 3), WHITE, dtype=np.uint8)
-    draw_text(img, 20, 20, message, colour=INK)
-    return encode_png(img)
+    grid_w, grid_h = natural_w - grid.left - grid.right, fig_h - grid.top - grid.bottom
+    label = {"fontsize": plots.TEXT_PT, "color": plots.INK, "parse_math": False}
+    plots.text_in(fig, shift + plots.PAD_IN, grid.bottom + grid_h / 2, row_axis.label("rows"), rotation=90,
+                  ha="left", va="center", **label)
+    plots.text_in(fig, shift + grid.left + grid_w / 2, grid.bottom - 0.3, col_axis.label("columns"),
+                  ha="center", va="top", **label)
+    bar = fig.colorbar(image, cax=plots.add_axes_in(fig, shift + grid.left + grid_w + 0.25, grid.bottom, 0.17, grid_h))
+    bar.ax.tick_params(labelsize=plots.SMALL_PT, length=3, pad=2)
+    if value_label and len(value_label) * 0.085 < grid_h:  # along the bar; the title says it anyway
+        bar.set_label(value_label, **label)
+    return fig

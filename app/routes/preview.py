@@ -5,7 +5,7 @@ axes flattened in C order; a Hessian is ``wrt`` by ``wrt``), block-averaged to a
 per side while the Zarr array is read one storage chunk at a time (never whole). A batch Jacobian
 gives one panel per example, the first ``panels`` of them. Colours are diverging and centred on zero
 (blue negative, white zero, red positive), symmetric at the largest absolute block mean, with a
-colour bar. Rendered with numpy and a small PNG encoder (``app.heatmap``); cached per job.
+colour bar. Drawn by matplotlib's Agg renderer (``app.heatmap``, ``app.plots``); cached per job.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from fastapi.responses import Response
 
 from app.deps import JobIdDep, StoreDep, require_api_key
 from app.errors import error_responses
-from app.heatmap import block_mean, placeholder, render
+from app.heatmap import MatrixAxis, block_mean, render_heatmap
 from app.job_storage import open_result_at, result_uri
+from app.plots import placeholder
 
 PNG_MEDIA_TYPE = "image/png"
 CACHE_ENTRIES = 32
@@ -56,7 +57,18 @@ def _label(name: Any) -> str:
     return text if len(text) <= 24 else "..." + text[-21:]
 
 
-def render_preview(array: Any, *, kind: str | None, panels: int, size: int) -> tuple[bytes, dict[str, str]]:
+def _titles(kind: str, of: str, wrt: str, batch: bool) -> tuple[str, str, str, str]:
+    """``(title, value label, row tensor, column tensor)`` for a result of ``kind``."""
+    if kind == "hessian":
+        return f"Hessian of {of} with respect to {wrt}", f"∂²{of}/∂{wrt}²", wrt, wrt
+    if batch:
+        return f"Batch Jacobian ∂{of}[i]/∂{wrt}[i]", f"∂{of}[i]/∂{wrt}[i]", f"{of}[i]", f"{wrt}[i]"
+    name = "Jacobian" if kind == "jacobian" else kind.replace("_", " ").capitalize()
+    return f"{name} ∂{of}/∂{wrt}", f"∂{of}/∂{wrt}", of, wrt
+
+
+def render_preview(array: Any, *, kind: str | None, panels: int, size: int,
+                   job_id: str | None = None) -> tuple[bytes, dict[str, str]]:
     """PNG bytes of the heatmap of ``array`` and a few headers describing it."""
     attrs = dict(array.attrs)
     shape = tuple(int(d) for d in array.shape)
@@ -64,25 +76,25 @@ def render_preview(array: Any, *, kind: str | None, panels: int, size: int) -> t
     batch, row_axes = matrix_axes(kind, shape, attrs)
     of, wrt = _label(attrs.get("of")), _label(attrs.get("wrt"))
     if 0 in shape:
-        return placeholder(f"EMPTY RESULT, SHAPE {list(shape)}"), {}
+        return placeholder(f"Empty result, shape {shape}: nothing to draw"), {}
     max_side = size if not batch or min(shape[0], panels) == 1 else max(16, size // 2)
     ds = block_mean(array, row_axes=row_axes, batch=batch, max_panels=panels, max_side=max_side)
     n_panels, height, width = ds.panels.shape
-    if kind == "hessian":
-        title = f"HESSIAN OF {of} WRT {wrt}"
-        axis_labels = (wrt, wrt)
-    else:
-        title = f"{kind.replace('_', ' ')}  D{of}/D{wrt}"
-        axis_labels = (of, wrt)
-    subtitle = f"SHAPE {list(shape)}: {ds.rows} X {ds.cols}"
+    lead = 1 if batch else 0
+    title, value_label, row_name, col_name = _titles(kind, of, wrt, batch)
+    notes = [f"job {job_id}"] if job_id else []
+    notes.append(f"result {shape}: {ds.rows} × {ds.cols}" + (" per example" if batch else ""))
     if batch:
-        subtitle = f"SHAPE {list(shape)}: {ds.rows} X {ds.cols} PER EXAMPLE"
-        if ds.panels_total > n_panels:
-            subtitle += f", FIRST {n_panels} OF {ds.panels_total}"
+        notes.append(f"first {n_panels} of {ds.panels_total} examples" if ds.panels_total > n_panels
+                     else f"{n_panels} example{'s' if n_panels > 1 else ''}")
     if (height, width) != (ds.rows, ds.cols):
-        subtitle += f", MEANS OF {-(-ds.rows // height)}X{-(-ds.cols // width)} BLOCKS"
-    labels = [f"EXAMPLE {i}" for i in range(n_panels)] if batch else None
-    png = render(ds, title=title, subtitle=subtitle, panel_labels=labels, axis_labels=axis_labels)
+        notes.append(f"means of {-(-ds.rows // height)} × {-(-ds.cols // width)} blocks")
+        value_label = f"block mean of {value_label}"
+    png = render_heatmap(
+        ds, title=title, subtitle=",  ".join(notes), value_label=value_label,
+        row_axis=MatrixAxis(row_name, shape[lead:lead + row_axes]),
+        col_axis=MatrixAxis(col_name, shape[lead + row_axes:]),
+        panel_titles=[f"example {i}" for i in range(n_panels)] if batch else None)
     headers = {"X-Preview-Matrix": f"{ds.rows}x{ds.cols}", "X-Preview-Cells": f"{height}x{width}",
                "X-Preview-Panels": f"{n_panels}/{ds.panels_total}"}
     return png, headers
@@ -107,7 +119,7 @@ def get_preview(
     if hit is None:
         array = open_result_at(job_id, uri)
         with _render_slots:
-            hit = render_preview(array, kind=record.spec.get("kind"), panels=panels, size=size)
+            hit = render_preview(array, kind=record.spec.get("kind"), panels=panels, size=size, job_id=job_id)
         with _cache_lock:
             _cache[key] = hit
             while len(_cache) > CACHE_ENTRIES:

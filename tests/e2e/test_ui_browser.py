@@ -4,13 +4,14 @@ and ``GET /v1/jobs/{id}/preview.png``.
 A job is submitted while no worker runs, so the page must first show it ``queued``; then a worker
 starts and the page (polled with ``chromium --dump-dom``) must show the same job ``succeeded`` with
 full progress. A screenshot of the job view with its heatmap is taken with ``--screenshot``.
-With ``JACOBIAN_DOCS_IMAGES=1`` the screenshot and the preview are also copied to
-``docs/ui-screenshot.png`` and ``docs/preview-example.png``.
+With ``JACOBIAN_DOCS_IMAGES=1`` the screenshot is also copied to ``docs/ui-screenshot.png`` (the
+preview images in docs/ come from ``scripts/preview_examples.py``).
 """
 
 from __future__ import annotations
 
 import html
+import io
 import os
 import re
 import shutil
@@ -22,9 +23,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from app.client import JacobianClient
-from app.heatmap import decode_png
 from tests import models
 from tests.e2e.stack import Api, Stack, print_logs
 
@@ -87,6 +88,12 @@ def job_row(dom: str, job_id: str) -> str:
     m = re.search(r'<tr\b[^>]*\bdata-job-id="' + re.escape(job_id) + r'"[^>]*>.*?</tr>', dom, re.DOTALL)
     assert m, f"job {job_id} not in the page"
     return html.unescape(re.sub(r"<[^>]+>", " ", m.group(0)))
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """A PNG as ``(h, w, 3)`` uint8 RGB (Pillow)."""
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -182,8 +189,8 @@ def test_ui_shows_a_job_progress_to_succeeded(stack: Stack, tmp_path: Path) -> N
         r = httpx.get(f"{api.url}/v1/jobs/{batch_id}/preview.png")
         assert r.status_code == 200, r.text
         assert r.headers["x-preview-panels"] == "4/6" and r.headers["x-preview-matrix"] == "16x24"
+        (tmp_path / "preview-batch.png").write_bytes(r.content)
         assert decode_png(r.content).shape[1] > 4 * 16 * 8
 
     if os.environ.get("JACOBIAN_DOCS_IMAGES") == "1":
         shutil.copyfile(shot, REPO / "docs" / "ui-screenshot.png")
-        shutil.copyfile(preview, REPO / "docs" / "preview-example.png")
