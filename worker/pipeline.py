@@ -16,6 +16,8 @@ from contracts import storage
 from contracts.layout import job_url
 from contracts.records import Progress, iso_time
 from worker import metrics
+from worker.engine.errors import WrongRowsDelivered
+from worker.result_group import uncommit_rows
 from worker.storage import ResultWriteError, ResultWriter
 
 if TYPE_CHECKING:  # the engine imports TensorFlow: only the functions that run it import it
@@ -66,7 +68,29 @@ def manifest_fields_for(attrs: dict[str, Any], *, plan: dict[str, Any], created_
             "plan": plan, "created_at": iso_time(created_at or time.time()), "finished_at": iso_time(time.time())}
 
 
-def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, rows: tuple[int, int] | None = None,
+REDO_ROUNDS = 3  # computing again the rows a strategy found wrong delivered: once per strategy, at most
+
+
+def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, **options: Any) -> dict[str, Any]:
+    """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/`` (``compute_once``).
+
+    When a strategy is found wrong after it had delivered rows (``WrongRowsDelivered``: a trial against
+    the eager reference rows caught it), the storage blocks holding those rows are uncommitted and
+    computed again with the plan that marks it wrong; a stored result never keeps them.
+    """
+    for _ in range(REDO_ROUNDS):
+        try:
+            return compute_once(problem, results_url=results_url, job_id=job_id, **options)
+        except WrongRowsDelivered as err:
+            uncommit_rows(results_url, job_id, problem.layout, err.ranges, block_bytes=options.get("block_bytes"))
+            options["plan"] = err.learned
+            if options.get("on_learned") is not None:
+                options["on_learned"](err.learned)
+            log.warning("job %s: %s; their storage blocks are computed again", job_id, err)
+    return compute_once(problem, results_url=results_url, job_id=job_id, **{**options, "refine": "never"})
+
+
+def compute_once(problem: Problem, *, results_url: str, job_id: str, rows: tuple[int, int] | None = None,
                        memory_budget_bytes: int | None = None, chunk_rows: int | None = None,
                        on_plan: Callable[[dict[str, Any]], None] | None = None,
                        on_progress: Callable[[Progress], None] | None = None,

@@ -7,11 +7,13 @@ lazy array without project code."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from contracts import storage
+from contracts.layout import COMMITTED_DIR, ResultLayout, job_url
 
 # Manifest fields also kept as group attributes when the result is sealed.
 SEALED_FIELDS = ("plan", "created_at", "finished_at")
@@ -48,3 +50,16 @@ def seal(group_url: str, fields: dict[str, Any]) -> None:
     with warnings.catch_warnings():  # "not part of the Zarr format 3 specification": zarr-python and xarray read it
         warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
         zarr.consolidate_metadata(store)
+
+
+def uncommit_rows(results_url: str, job_id: str, layout: ResultLayout, ranges: list[tuple[int, int]], *,
+                  block_bytes: int | None = None) -> list[int]:
+    """Remove the commit markers of the storage blocks that hold any row of ``ranges`` (rows found wrong
+    after they were stored), so that a resumed run computes those blocks again; returns their indices."""
+    if block_bytes is not None:
+        layout = replace(layout, block_bytes=block_bytes)
+    base = storage.join(storage.normalize(job_url(results_url, job_id)), COMMITTED_DIR)
+    hit = [b.index for b in layout.blocks() if any(a < b.row_stop and b.row_start < z for a, z in ranges)]
+    for index in hit:
+        storage.delete_prefix(storage.join(base, str(index)))
+    return hit

@@ -92,16 +92,19 @@ def test_forward_mode_is_not_used_at_non_finite_derivatives(tmp_path, kind):
         compute_in_memory(model, inputs, kind=kind, mode="forward")
 
 
-def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, monkeypatch):
+def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, monkeypatch, tmp_path):
     """A ``tiled`` that is wrong beyond the first and last rows of a chunk (the rows every chunk size has
     checked against the reference) used to be the reference of the trials: a right ``vectorized`` was
     dropped for disagreeing with it. The eager reference rows decide: the candidate stays, and the
-    incumbent is the one dropped; the next job runs the right strategy and equals the tape."""
+    incumbent is the one dropped; the rows it delivered are computed again, so that even this job's
+    result, in memory or in storage, equals the tape."""
     import tensorflow as tf
+    import zarr
 
     import worker.engine.chunk_run as chunk_run
-    from worker.engine import LinearFit
-    from worker.engine.plan import Plan
+    from worker.engine import build_problem, run_problem
+    from worker.engine.errors import WrongRowsDelivered
+    from worker.pipeline import compute_to_storage
 
     real = chunk_run.chunk_function
 
@@ -118,18 +121,41 @@ def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, mo
     monkeypatch.setattr(chunk_run, "chunk_function", wrong_inside)
     model = loaded("mlp")
     inputs = {"x": rand((16, 8), seed=3)}
-    plan = Plan(strategy="tiled")  # calibrated already: 16-row chunks at once, a trial after the second
+    want = tape_jacobian(model, inputs, "y", "x")
+    problem = build_problem(model, inputs)
+    with pytest.raises(WrongRowsDelivered) as caught:  # run_problem: the rows tiled delivered, to redo
+        run_problem(problem, plan=calibrated_tiled(), refine="always", memory_budget_bytes=10**9)
+    learned = caught.value.learned
+    ranges = caught.value.ranges  # tiled's 16-row chunks before the trial (one or two: when it came first)
+    assert ranges[0] == (0, 16) and all(b - a == 16 for a, b in ranges), ranges
+    assert learned.record("vectorized").status == "ok", learned.record("vectorized")
+    assert learned.record("tiled").status == "disagrees" and learned.strategy == "vectorized"
+    # compute_in_memory computes them again: the first job is right already
+    got, report = compute_in_memory(model, inputs, plan=calibrated_tiled(), refine="always",
+                                    memory_budget_bytes=10**9)
+    assert report.learned.record("tiled").status == "disagrees" and report.plan["strategy"] == "vectorized"
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    # compute_to_storage uncommits the storage blocks that hold them and computes those again
+    results = str(tmp_path / "results")
+    learned_plans = []
+    manifest = compute_to_storage(problem, results_url=results, job_id="redo", plan=calibrated_tiled(),
+                                  refine="always", memory_budget_bytes=10**9, block_bytes=8 * 4 * 4,
+                                  on_learned=learned_plans.append)
+    stored = zarr.open_array(manifest["uri"] + "/jacobian", mode="r")[...]
+    np.testing.assert_allclose(stored, want, rtol=0, atol=1e-5)
+    assert learned_plans[0].record("tiled").status == "disagrees"
+
+
+def calibrated_tiled():
+    """A plan calibrated already on ``tiled``: 16-row chunks at once, a trial after the second."""
+    from worker.engine import LinearFit
+    from worker.engine.plan import Plan
+
+    plan = Plan(strategy="tiled")
     tiled = plan.record("tiled")
     tiled.status, tiled.rates, tiled.preferred_rows = "ok", {16: 1e4}, 16
     tiled.memory, tiled.seconds = LinearFit(0.0, 1e7), LinearFit(0.0, 1e-4)
-    _, report = compute_in_memory(model, inputs, plan=plan, refine="always", memory_budget_bytes=10**9)
-    learned = report.learned
-    assert learned.record("vectorized").status == "ok", learned.record("vectorized")
-    assert learned.record("tiled").status == "disagrees" and "tiled" in report.failures
-    assert learned.strategy == "vectorized" and report.plan["trial"]["winner"] == "vectorized"
-    got, again = compute_in_memory(model, inputs, plan=learned, refine="never")
-    assert again.plan["strategy"] == "vectorized"
-    np.testing.assert_allclose(got, tape_jacobian(model, inputs, "y", "x"), rtol=0, atol=1e-5)
+    return plan
 
 
 @pytest.fixture(scope="module")

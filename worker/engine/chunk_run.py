@@ -84,6 +84,8 @@ class ChunkRun:
         self.eager_rows: dict[int, np.ndarray] = {}
         self.last: tuple[int, np.ndarray, str, int] | None = None   # start, rows, label, peak
         self.last_peak = 0
+        self.delivered: list[tuple[int, int, str]] = []   # (start, stop, label) of each chunk handed on
+        self.wrong_delivered: list[tuple[int, int]] = []  # rows handed on by a strategy later found wrong
         self._tiled_running = False
         self.peak = 0
         self.status: dict[str, Any] = {

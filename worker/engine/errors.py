@@ -37,5 +37,17 @@ class Stopped(EngineError):
     """``should_stop`` asked the run to stop between chunks (cancel)."""
 
 
+class WrongRowsDelivered(EngineError):
+    """A strategy was found wrong after it had delivered rows (``on_chunk``): ``ranges`` must be computed
+    again, with ``learned`` (the plan that marks it ``disagrees``). ``compute_to_storage`` and
+    ``compute_in_memory`` do so; a caller of ``run_problem`` with its own ``on_chunk`` must."""
+
+    transient = True
+
+    def __init__(self, message: str, *, ranges: list[tuple[int, int]], learned: object) -> None:
+        super().__init__(message, field=None)
+        self.ranges, self.learned = ranges, learned
+
+
 class GPUMemoryReserved(EngineError):
     """TensorFlow reserved the whole GPU before memory growth (or a memory limit) was set: no plan can hold."""

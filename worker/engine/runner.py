@@ -17,7 +17,7 @@ from contracts.layout import Block
 from worker.engine import tuning
 from worker.engine.chunk_run import ChunkRun, rows_agree
 from worker.engine.devices import prepare_gpus
-from worker.engine.errors import EngineError, NotDifferentiable, Stopped
+from worker.engine.errors import EngineError, NotDifferentiable, Stopped, WrongRowsDelivered
 from worker.engine.memory import MemoryProbe, TFMemoryProbe, is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.problem import Problem, error_summary
@@ -151,6 +151,7 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
             run.measured(label, k, seconds, peak, first, hi - start - n)
             if on_chunk:
                 on_chunk(start, rows)
+            run.delivered.append((start, start + n, label))
             run.last = (start, rows, label, peak)
             run.last_peak = peak
             start += n
@@ -160,6 +161,13 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
             cal = run.cal.get(label)
             if not first and cal is not None and cal.done:
                 maybe_trial(run, applicable, rows_left=pending - rows_done, seconds_per_row=seconds / k)
+                if run.wrong_delivered:
+                    mark_refined(run, applicable)
+                    run.plan.checked = run.problem.checked()
+                    raise WrongRowsDelivered(
+                        f"strategy {label} delivered wrong rows (found by a trial against the eager reference "
+                        f"rows); rows {run.wrong_delivered} must be computed again with {run.plan.strategy}",
+                        ranges=list(run.wrong_delivered), learned=run.plan)
     if run.status.get("chunk_rows") is not None:  # the measured figures, for the report (no callback)
         run.publish(run.plan.strategy, run.status["chunk_rows"], final=True)
     return rows_done, compute_s
@@ -184,7 +192,10 @@ def compute_in_memory(model_or_path: Any, inputs: dict[str, Any], *, signature: 
     def keep(start: int, rows: np.ndarray) -> None:
         flat[start:start + len(rows)] = rows
 
-    report = run_problem(problem, on_chunk=keep, **run_options)
+    try:
+        report = run_problem(problem, on_chunk=keep, **run_options)
+    except WrongRowsDelivered as err:  # every row again, with the plan that knows which strategy was wrong
+        report = run_problem(problem, on_chunk=keep, **{**run_options, "plan": err.learned})
     whole = Block(0, 0, layout.rows_total, tuple(slice(0, d) for d in layout.shape), layout.iter_shape)
     out = np.ascontiguousarray(layout.place(whole, flat))
     return (out.reshape(()) if layout.shape == () else out), report

@@ -242,8 +242,8 @@ def _rows_hold(run: ChunkRun, trial: dict[str, Any], candidate: str, start: int,
     are checked against them as every chunk size is (``ChunkRun.verify``), then its rows against the
     incumbent's; where those differ, the reference row where they differ most tells which is wrong. A
     wrong candidate is dropped. A wrong incumbent (right at the rows its own chunk sizes had checked,
-    wrong between them) is dropped, and the candidate takes over now; rows it handed on before are not
-    computed again.
+    wrong between them) is dropped, and the candidate takes over now; the rows it handed on are listed
+    in ``run.wrong_delivered`` and the run stops with ``WrongRowsDelivered`` for them to be computed again.
     """
     wrong, why = None, "disagrees with the eager reference rows"
     if not run.verify(candidate, start, rows, len(rows)):
@@ -265,8 +265,9 @@ def _rows_hold(run: ChunkRun, trial: dict[str, Any], candidate: str, start: int,
     if wrong == candidate:
         return False
     run.failures[wrong] = why
-    log.warning("strategy %s %s: %s takes over; the rows it handed on before are not computed again", wrong, why,
-                candidate)
+    run.wrong_delivered = [(a, b) for a, b, label in run.delivered if label == wrong]
+    log.warning("strategy %s %s: %s takes over; the %d rows it handed on are computed again", wrong, why,
+                candidate, sum(b - a for a, b in run.wrong_delivered))
     run.plan.record(candidate).status = "ok"
     run.plan.strategy, run.plan.source = candidate, "trial"
     trial["winner"] = candidate
