@@ -5,8 +5,9 @@
 #   bash scripts/test.sh -k signature -x      # options go to pytest, still over all of tests/
 #   bash scripts/test.sh tests/unit           # paths given replace the default tests/
 #
+# First `uv lock --check`: a uv.lock out of date with pyproject.toml fails the run (and CI, which runs this).
 # pytest's exit code is passed through, except 5 (no tests collected), which fails: a run that
-# collected nothing must not look green. JACOBIAN_SKIP_SETUP=1 skips scripts/setup.sh.
+# collected nothing must not look green. JACOBIAN_SKIP_SETUP=1 skips the lock check and scripts/setup.sh.
 # The set-up installs Debian's `prometheus` (prometheus and promtool) when missing: the metrics tests
 # scrape the service with a real Prometheus. JACOBIAN_SETUP_PROMETHEUS=0 leaves it out (those tests
 # then fail and say so). Likewise Debian's `chromium` for the /ui browser test (JACOBIAN_SETUP_CHROMIUM=0
@@ -17,8 +18,13 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 if [[ "${JACOBIAN_SKIP_SETUP:-0}" == 1 ]]; then
-  echo "[test] JACOBIAN_SKIP_SETUP=1: not running scripts/setup.sh"
+  echo "[test] JACOBIAN_SKIP_SETUP=1: not running scripts/setup.sh (nor the uv.lock check)"
 else
+  echo "[test] uv lock --check"
+  bash scripts/uv.sh lock --check || {
+    echo "[test] ERROR: uv.lock is out of date with pyproject.toml: run 'bash scripts/uv.sh lock' and commit uv.lock" >&2
+    exit 1
+  }
   JACOBIAN_SETUP_PROMETHEUS="${JACOBIAN_SETUP_PROMETHEUS:-1}" \
     JACOBIAN_SETUP_CHROMIUM="${JACOBIAN_SETUP_CHROMIUM:-1}" bash scripts/setup.sh
 fi
