@@ -1,13 +1,16 @@
 """The ``jacobian`` command: compute in-process, serve the API, run a worker, or bring the local stack up.
 
-Nothing heavy at import: TensorFlow and the worker code are imported inside the commands that use them.
-Exit codes: 0 success, 1 a waited-for job failed or was canceled, 2 bad request or an error answer of the
-API (the message names the field), 130 interrupted.
+Nothing heavy at import: TensorFlow, the server stack and the worker code are imported inside the commands
+that use them, so ``--help`` and the client commands run on a client-only install (``pip install
+jacobian-service``); a command whose extra is missing says which one to install (``EXTRAS``).
+Exit codes: 0 success, 1 a waited-for job failed or was canceled, 2 bad request, an error answer of the
+API (the message names the field) or a missing extra, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -25,6 +28,35 @@ from urllib.parse import urlparse
 _STARTED = time.perf_counter()
 KINDS = ("jacobian", "batch_jacobian", "hessian")
 MODES = ("auto", "reverse", "forward")
+
+
+# -- extras ----------------------------------------------------------------------------------------
+
+# The modules (import names) of each extra of pyproject.toml that the commands needing it import.
+EXTRAS = {
+    "api": ("fastapi", "uvicorn", "redis", "rq", "prometheus_client", "matplotlib"),
+    "worker": ("tensorflow", "redis", "rq", "prometheus_client"),
+}
+_EXTRA_WHAT = {"api": "the HTTP API server stack", "worker": "TensorFlow and the worker stack"}
+
+
+def _not_importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def missing_extras(extras: tuple[str, ...]) -> str | None:
+    """``None`` when the modules of ``extras`` are importable, else a message naming what to install."""
+    missing = {extra: [m for m in EXTRAS[extra] if _not_importable(m)] for extra in extras}
+    missing = {extra: modules for extra, modules in missing.items() if modules}
+    if not missing:
+        return None
+    needed = " and ".join(f"the {extra!r} extra ({_EXTRA_WHAT[extra]})" for extra in missing)
+    modules = ", ".join(dict.fromkeys(m for ms in missing.values() for m in ms))
+    return (f"needs {needed}; not installed: {modules}. Install with: pip install "
+            f"'jacobian-service[{','.join(missing)}]' (in a checkout: bash scripts/setup.sh)")
 
 
 # -- compute ---------------------------------------------------------------------------------------
@@ -262,7 +294,7 @@ def _add_compute(sub: Any) -> None:
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--job-id", help="result folder name under --out (default: a new id)")
     p.add_argument("--out", required=True, help="results URL: a directory or s3://bucket/prefix")
-    p.set_defaults(func=cmd_compute)
+    p.set_defaults(func=cmd_compute, needs=("worker",))
 
 
 def _add_client_commands(sub: Any) -> None:
@@ -282,15 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="uvicorn processes (metrics shared through PROMETHEUS_MULTIPROC_DIR; default 1)")
     p.add_argument("--no-access-log", action="store_true", help="no uvicorn access-log line per request")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, needs=("api",))
     p = sub.add_parser("worker", help="run one worker (one per GPU)")
     p.add_argument("--burst", action="store_true", help="quit when the queue is empty")
-    p.set_defaults(func=cmd_worker)
+    p.set_defaults(func=cmd_worker, needs=("worker",))
     p = sub.add_parser("up", help="Redis (if none reachable), the API and one worker, results on local disk")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, help="API port (default: that of JACOBIAN_API_URL, 8000)")
     p.add_argument("--var", default="var", help="folder for Redis data, results and models (default ./var)")
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(func=cmd_up, needs=("api", "worker"))
     _add_client_commands(sub)
     return parser
 
@@ -298,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
+    problem = missing_extras(getattr(args, "needs", ()))
+    if problem:
+        print(f"error: MissingDependency: jacobian {args.command} {problem}", file=sys.stderr, flush=True)
+        return 2
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
