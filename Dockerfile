@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
-# One Dockerfile, two images:
-#   docker build --target api    -t jacobian-api .     # FastAPI + uvicorn, no TensorFlow, no GPU
-#   docker build --target worker -t jacobian-worker .  # TensorFlow 2.21 with CUDA (pip wheels)
+# One Dockerfile, two images, both installed from uv.lock (the versions the tests ran with):
+#   docker build --target api    -t jacobian-api .     # FastAPI + uvicorn (extra `api`), no TensorFlow, no GPU
+#   docker build --target worker -t jacobian-worker .  # TensorFlow 2.21 with CUDA (extra `cuda`: pip wheels)
 # Both run as the non-root user `app`; dependencies live in /opt/venv, built in a throwaway stage.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -20,22 +20,29 @@ RUN groupadd --system --gid 10001 app \
  && chown -R app:app /srv
 WORKDIR /srv
 
-# Build stage: the project's source and a virtualenv at the path the runtime images use.
+# Build stage: uv (the version scripts/uv.sh pins), the lock and the project's source. `uv sync`
+# creates the virtualenv at the path the runtime images use, with the image's Python, and compiles
+# the bytecode (as pip did) so that processes start without compiling TensorFlow's modules.
 FROM base AS build
-RUN python -m venv /opt/venv && pip install --upgrade pip
-COPY pyproject.toml README.md MANIFEST.in ./
+RUN pip install uv==0.13.9
+ENV UV_PROJECT_ENVIRONMENT=/opt/venv \
+    UV_PYTHON_DOWNLOADS=never \
+    UV_LINK_MODE=copy \
+    UV_COMPILE_BYTECODE=1 \
+    UV_NO_CACHE=1
+COPY pyproject.toml uv.lock README.md MANIFEST.in ./
 COPY contracts ./contracts
 COPY app ./app
 COPY worker ./worker
 
 FROM build AS build-api
-# Core dependencies only: the API never imports TensorFlow.
-RUN pip install .
+# The API's extra only: the API never imports TensorFlow. --no-editable: /opt/venv holds the project itself.
+RUN uv sync --locked --no-dev --no-editable --extra api
 
 FROM build AS build-worker
-# tensorflow[and-cuda] pulls the CUDA 12 / cuDNN 9 runtime as pip wheels (nvidia-*-cu12); the
-# host needs only the NVIDIA driver and the NVIDIA container toolkit.
-RUN pip install '.[worker]' 'tensorflow[and-cuda]==2.21.*'
+# The `cuda` extra is the worker's plus tensorflow[and-cuda]: the CUDA 12 / cuDNN 9 runtime as pip
+# wheels (nvidia-*-cu12); the host needs only the NVIDIA driver and the NVIDIA container toolkit.
+RUN uv sync --locked --no-dev --no-editable --extra worker --extra cuda
 
 # ---------------------------------------------------------------------------------------------
 FROM base AS api

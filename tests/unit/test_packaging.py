@@ -7,12 +7,13 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = ["scripts/setup.sh", "scripts/test.sh", "scripts/up.sh", ".ci/run"]
+SCRIPTS = ["scripts/setup.sh", "scripts/test.sh", "scripts/up.sh", "scripts/uv.sh", ".ci/run"]
 
 
 # --- docker-compose.yml ---------------------------------------------------------------------------
@@ -181,8 +182,48 @@ def test_dockerfile_keeps_tensorflow_out_of_the_api_image():
     stages = _stages()
     api = " ".join(_chain(stages, "api"))
     assert "tensorflow" not in api.lower() and "[worker]" not in api, "the api image must not install TensorFlow"
+    assert "--extra api" in api and "--extra worker" not in api and "--extra cuda" not in api
     worker = " ".join(_chain(stages, "worker"))
-    assert "tensorflow[and-cuda]==2.21" in worker and ".[worker]" in worker
+    assert "--extra worker" in worker and "--extra cuda" in worker and "--extra api" not in worker
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "tensorflow[and-cuda]==2.21.*" in extras["cuda"], "the worker image needs TensorFlow with its CUDA wheels"
+
+
+def _uv_version() -> str:
+    text = (REPO / "scripts/uv.sh").read_text()
+    m = re.search(r'^VERSION="\$\{JACOBIAN_UV_VERSION:-([0-9.]+)\}"$', text, re.MULTILINE)
+    assert m, "scripts/uv.sh: no pinned VERSION"
+    return m.group(1)
+
+
+def test_dockerfile_installs_from_the_lock_with_the_pinned_uv():
+    stages = _stages()
+    for name in ("api", "worker"):
+        lines = _chain(stages, name)
+        syncs = [line for line in lines if line.startswith("RUN") and "uv sync" in line]
+        assert syncs and all("--locked" in line and "--no-editable" in line for line in syncs), \
+            f"{name}: install with `uv sync --locked --no-editable`: {syncs}"
+        assert not any(re.search(r"\bpip install\b(?! uv==)", line) for line in lines), \
+            f"{name}: pip install besides uv itself bypasses uv.lock"
+        copied = " ".join(line for line in lines if line.startswith("COPY") and "--from" not in line)
+        assert "uv.lock" in copied and "pyproject.toml" in copied
+        assert f"pip install uv=={_uv_version()}" in " ".join(lines), f"{name}: not the uv of scripts/uv.sh"
+    assert re.search(rf'required-version = ">={re.escape(_uv_version())}"', (REPO / "pyproject.toml").read_text())
+
+
+def test_dockerfile_copies_only_files_that_exist_and_reach_the_build_context():
+    ignored = {line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    sources = []
+    for stage in _stages().values():
+        for line in stage["lines"]:
+            words = line.split()
+            if words[0].upper() == "COPY" and not any(w.startswith("--from") for w in words):
+                sources += [w for w in words[1:-1] if not w.startswith("--")]
+    assert "uv.lock" in sources
+    for source in sources:
+        assert (REPO / source).exists(), f"Dockerfile: COPY {source}: no such file in the repository"
+        assert source not in ignored, f"Dockerfile: COPY {source}, but .dockerignore leaves it out of the context"
 
 
 def test_dockerignore_keeps_local_state_out():
@@ -211,6 +252,10 @@ def test_ci_runs_the_one_test_command():
     assert lines[-1] == "exec bash scripts/test.sh"
     test_sh = (REPO / "scripts/test.sh").read_text()
     assert "bash scripts/setup.sh" in test_sh and "-m pytest" in test_sh
+    assert "bash scripts/uv.sh lock --check" in test_sh, "CI must fail on a uv.lock out of date with pyproject.toml"
+    assert test_sh.index("uv.sh lock --check") < test_sh.index("bash scripts/setup.sh")
+    setup_sh = (REPO / "scripts/setup.sh").read_text()
+    assert "sync --locked" in setup_sh and "pip install" not in setup_sh, "setup.sh installs from uv.lock"
     assert "exec .venv/bin/jacobian up" in (REPO / "scripts/up.sh").read_text()
 
 
