@@ -100,7 +100,7 @@ def cmd_compute(args: argparse.Namespace) -> int:
             problem, results_url=storage.normalize(args.out), job_id=job_id,
             memory_budget_bytes=effective_budget(args.memory_budget, settings.memory_budget_bytes),
             chunk_rows=args.chunk_rows, plan=plan, on_learned=plans.put, probe=probe, try_xla=settings.try_xla,
-            block_bytes=settings.block_bytes,
+            block_bytes=settings.block_bytes, precision=args.precision,
             on_plan=on_plan, on_progress=lambda p: progress.update(p.rows_done, p.rows_total, rate=p.rows_per_second,
                                                                    eta=p.eta_seconds),
             manifest_fields={"model": {"path": model_path, "signature": args.signature}})
@@ -290,6 +290,8 @@ def _add_compute(sub: Any) -> None:
     p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
     p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")
     p.add_argument("--output-dtype", help="store the result as this float dtype")
+    p.add_argument("--precision", choices=("highest", "tf32"), default="highest",
+                   help="GPU matmul precision: 'highest' (default; TensorFloat-32 off) or 'tf32' (faster, ~1e-3)")
     p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on accelerator memory per chunk (bytes)")
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--job-id", help="result folder name under --out (default: a new id)")

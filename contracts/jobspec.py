@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -103,6 +103,10 @@ class JobOptions(BaseModel):
                                "row count, the storage blocks and the live workers; see README 'Scale-out')")
     chunk_rows: int | None = Field(None, ge=1, le=MAX_CHUNK_ROWS, description="force this compute chunk (rows; "
                                    "at most the job's rows); default: planned from free memory")
+    precision: Literal["highest", "tf32"] = Field(
+        "highest", description="'highest': full float32 matmuls and convolutions on the GPU (TensorFloat-32 off, "
+        "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
+        "rounded to 10 bits of mantissa (about 1e-3 relative). No effect on the CPU")
 
     @model_validator(mode="after")
     def _check(self) -> JobOptions:

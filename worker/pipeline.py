@@ -71,13 +71,22 @@ def manifest_fields_for(attrs: dict[str, Any], *, plan: dict[str, Any], created_
 REDO_ROUNDS = 3  # computing again the rows a strategy found wrong delivered: once per strategy, at most
 
 
-def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, **options: Any) -> dict[str, Any]:
-    """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/`` (``compute_once``).
+def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, precision: str = "highest",
+                       **options: Any) -> dict[str, Any]:
+    """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/`` (``compute_once``),
+    with TensorFloat-32 on only for ``precision="tf32"`` (``devices.tensor_float_32``).
 
     When a strategy is found wrong after it had delivered rows (``WrongRowsDelivered``: a trial against
     the eager reference rows caught it), the storage blocks holding those rows are uncommitted and
     computed again with the plan that marks it wrong; a stored result never keeps them.
     """
+    from worker.engine.devices import tensor_float_32
+
+    with tensor_float_32(precision == "tf32"):
+        return _compute_redoing(problem, results_url=results_url, job_id=job_id, **options)
+
+
+def _compute_redoing(problem: Problem, *, results_url: str, job_id: str, **options: Any) -> dict[str, Any]:
     for _ in range(REDO_ROUNDS):
         try:
             return compute_once(problem, results_url=results_url, job_id=job_id, **options)

@@ -127,11 +127,15 @@ def test_submit_npz_body_with_query_options(client, redis_conn):
     np.savez(buf, a=a, b=b)
     r = client.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"},
                     params={"model_path": "multi_io", "of": "u", "wrt": "a", "kind": "batch_jacobian",
-                            "memory_budget_bytes": "1000000", "check_independence": "true"})
+                            "memory_budget_bytes": "1000000", "check_independence": "true", "precision": "tf32"})
     assert r.status_code == 202, r.text
     spec = fetch_rq(redis_conn, r.json()["id"]).args[0]
     assert (spec["of"], spec["wrt"], spec["kind"]) == ("u", "a", "batch_jacobian")
     assert spec["memory_budget_bytes"] == 1000000 and spec["check_independence"] is True
+    assert spec["precision"] == "tf32"
+    bad = client.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"},
+                      params={"model_path": "multi_io", "precision": "fp16"})
+    assert bad.status_code == 422 and "precision" in bad.json()["error"]["message"], bad.text
     with np.load(spec["inputs_uri"]) as npz:
         np.testing.assert_array_equal(npz["b"], b)
 

@@ -4,6 +4,7 @@ of chunk sizes on the job's own chunks, and shrinking on out-of-memory. The rule
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,9 +33,18 @@ SAFETY = 0.8   # chunks are planned to peak at no more than this share of the me
 SEEN_BYTES = 1 << 20
 
 
+TF32_TOLERANCE = 1e-2
+
+
+def _tf32_enabled() -> bool:
+    tf = sys.modules.get("tensorflow")
+    return bool(tf is not None and tf.config.experimental.tensor_float_32_execution_enabled())
+
+
 def rows_agree(got: np.ndarray, want: np.ndarray) -> bool:
-    """Equal up to 1e-4 (1e-3 for 16-bit floats) of ``want``'s largest finite magnitude, with NaN and
-    infinities in the same places (``tape.jacobian`` of ``sqrt`` at 0 is inf, and so must ours be)."""
+    """Equal up to 1e-4 (1e-3 for 16-bit floats, 1e-2 with TensorFloat-32 on) of ``want``'s largest finite
+    magnitude, with NaN and infinities in the same places (``tape.jacobian`` of ``sqrt`` at 0 is inf, and so
+    must ours be)."""
     a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
         return False
@@ -45,6 +55,8 @@ def rows_agree(got: np.ndarray, want: np.ndarray) -> bool:
         return True
     scale = float(np.abs(b[finite]).max()) or 1.0
     tol = 1e-3 if np.asarray(got).dtype.itemsize <= 2 else 1e-4
+    if _tf32_enabled():  # a job that asked for precision "tf32": matmul inputs carry 10 bits of mantissa
+        tol = max(tol, TF32_TOLERANCE)
     return bool(np.abs(a[finite] - b[finite]).max() <= tol * scale)
 
 

@@ -6,6 +6,7 @@ TensorFlow and pynvml are reached through ``tensorflow()`` and ``nvml()``, so un
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -54,6 +55,19 @@ def _reserved(gpu: Any, why: str) -> GPUMemoryReserved:
         "tf.config.experimental.set_memory_growth(gpu, True) (or give the GPU a memory_limit with "
         "tf.config.set_logical_device_configuration) before anything else touches it, e.g. load the model with "
         "worker.engine.load_model first", field=None)
+
+
+@contextlib.contextmanager
+def tensor_float_32(enabled: bool) -> Iterator[None]:
+    """TensorFloat-32 on (``enabled``) or off for the duration, as it was after: a job's ``precision``.
+    The setting is TensorFlow's, for the whole process: a worker runs one job at a time."""
+    tf = tensorflow()
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(enabled)
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(before)
 
 
 def prepare_gpus() -> None:

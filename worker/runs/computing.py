@@ -59,4 +59,5 @@ class ComputingAttempt(Attempt):
             problem, results_url=job.results_url, job_id=job.id, rows=rows,
             memory_budget_bytes=effective_budget(job.memory_budget_bytes, settings.memory_budget_bytes),
             chunk_rows=job.chunk_rows, strategy=job.strategy, on_plan=on_plan, on_progress=on_progress,
-            should_stop=should_stop, plan=plan, probe=self.probe, try_xla=settings.try_xla, **options)
+            should_stop=should_stop, plan=plan, probe=self.probe, try_xla=settings.try_xla,
+            precision=job.precision, **options)
