@@ -62,7 +62,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     options = {"of": args.of, "wrt": args.wrt, "kind": args.kind, "mode": args.mode,
                "memory_budget_bytes": args.memory_budget, "reduce": args.reduce,
                "check_independence": True if args.check_independence else None,
-               "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards}
+               "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards,
+               "precision": args.precision}
     with _client(args) as client:
         try:
             job_id = client.submit_npz(args.model, body, signature=args.signature,
@@ -266,6 +267,8 @@ def register(sub: Any) -> None:
     p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
     p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")
     p.add_argument("--output-dtype", help="store the result as this float dtype")
+    p.add_argument("--precision", choices=("highest", "tf32"),
+                   help="GPU matmul precision (default highest: TensorFloat-32 off; tf32: faster, ~1e-3)")
     p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on the memory of a chunk (bytes)")
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--shards", type=int, metavar="N", help="split the job into N row-range shards")

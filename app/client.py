@@ -157,7 +157,8 @@ class JacobianClient:
                idempotency_key: str | None = None, **options: Any) -> str:
         """Queue a job; returns its id. ``inputs`` go as an ``.npz`` body; ``options`` are the job
         options (``of``, ``wrt``, ``kind``, ``mode``, ``memory_budget_bytes``, ``reduce``,
-        ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``); ``None`` values are left out."""
+        ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``, ``precision``); ``None`` values are
+        left out."""
         buf = io.BytesIO()
         np.savez(buf, **{name: np.asarray(value) for name, value in inputs.items()})
         return self.submit_npz(model_path, buf.getvalue(), signature=signature, idempotency_key=idempotency_key,
