@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from app.cli_matfree import MATFREE_KINDS
+from app.cli_matfree import add_arguments as add_matfree_arguments
+
 _STARTED = time.perf_counter()
 KINDS = ("jacobian", "batch_jacobian", "hessian")
 MODES = ("auto", "reverse", "forward")
@@ -63,10 +66,18 @@ def missing_extras(extras: tuple[str, ...]) -> str | None:
 
 def cmd_compute(args: argparse.Namespace) -> int:
     """The engine in-process, no Redis: Zarr result and manifest under ``{out}/{job_id}/``."""
+    from app.cli_matfree import cmd_compute_matfree
     from contracts.settings import get_settings
     from worker.main import configure_devices
 
     configure_devices(get_settings())
+    if args.kind in MATFREE_KINDS:
+        return cmd_compute_matfree(args)
+    if args.wrt and len(args.wrt) > 1:
+        print(f"error: --wrt: several names are taken by the matrix-free kinds ({', '.join(MATFREE_KINDS)}) so "
+              f"far; kind {args.kind!r} takes one", file=sys.stderr)
+        return 2
+    args.wrt = args.wrt[0] if args.wrt else None
     from app.progress import RowProgress
     from contracts import storage
     from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
@@ -284,8 +295,9 @@ def _add_compute(sub: Any) -> None:
     p.add_argument("--input", required=True, help="inputs as an .npz (local path, file:// or s3://)")
     p.add_argument("--signature", default="serving_default")
     p.add_argument("--of", help="output name (default: the only output)")
-    p.add_argument("--wrt", help="input name or variables/<name> (default: the only float input)")
-    p.add_argument("--kind", choices=KINDS, default="jacobian")
+    p.add_argument("--wrt", nargs="+", help="input name or variables/<name> (default: the only float input); "
+                   "matrix-free kinds: several, or variables/* for every trainable variable")
+    p.add_argument("--kind", choices=KINDS + MATFREE_KINDS, default="jacobian")
     p.add_argument("--mode", choices=MODES, default="auto")
     p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
     p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")
@@ -296,6 +308,7 @@ def _add_compute(sub: Any) -> None:
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--job-id", help="result folder name under --out (default: a new id)")
     p.add_argument("--out", required=True, help="results URL: a directory or s3://bucket/prefix")
+    add_matfree_arguments(p)
     p.set_defaults(func=cmd_compute, needs=("worker",))
 
 
