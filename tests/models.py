@@ -131,6 +131,37 @@ def float64_model(path: Path) -> Path:
     return path
 
 
+def softmax_mlp(path: Path, *, sizes=(6, 8, 3), dtype="float32", seed=0) -> Path:
+    """A ``tf.Module`` tanh MLP classifier: ``x`` (None, sizes[0]) and int32 ``labels`` (None,) -> ``logits``
+    (None, sizes[-1]) and ``loss`` () (mean softmax cross-entropy); variables ``w0``, ``b0``, ``w1``, ... For the
+    matrix-free kinds: a classification loss over every parameter (``variables/*``)."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+
+    class Classifier(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [(tf.Variable(rng.normal(size=(a, b)) / np.sqrt(a), dtype=dtype, name=f"w{i}"),
+                            tf.Variable(rng.normal(size=(b,)) * 0.1, dtype=dtype, name=f"b{i}"))
+                           for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
+
+        @tf.function(input_signature=[tf.TensorSpec([None, sizes[0]], dtype, name="x"),
+                                      tf.TensorSpec([None], tf.int32, name="labels")])
+        def __call__(self, x, labels):
+            h = x
+            for i, (w, b) in enumerate(self.layers):
+                h = h @ w + b
+                if i < len(self.layers) - 1:
+                    h = tf.tanh(h)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=h))
+            return {"logits": h, "loss": loss}
+
+    m = Classifier()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
 def batch_interacting(path: Path) -> Path:
     """Examples interact: ``y = tanh(x - mean(x over the batch))``, ``x`` (None, 4)."""
     import tensorflow as tf
