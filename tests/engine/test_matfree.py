@@ -191,6 +191,11 @@ def test_against_the_dense_matrix(built, case, kind):
         trace, stderr = float(plus.arrays["trace"]), float(plus.arrays["stderr"])
         assert abs(trace - exact) <= 4 * stderr + 1e-5 * scale
         assert abs(trace - exact) <= 0.25 * scale
+        both = hessian_trace(op, max(6, op.n_wrt // 2), seed=2)     # auto, fewer samples than n
+        assert both.method in ("hutch++", "hutchinson") and set(both.attrs["estimates"]) == {"hutch++", "hutchinson"}
+        for estimate in both.attrs["estimates"].values():
+            assert abs(estimate["trace"] - exact) <= 4 * estimate["stderr"] + 1e-5 * scale
+        assert float(both.arrays["stderr"]) == pytest.approx(min(e["stderr"] for e in both.attrs["estimates"].values()))
         auto = hessian_trace(op, op.n_wrt)
         assert auto.method == "exact" and float(auto.arrays["stderr"]) == 0
         assert float(auto.arrays["trace"]) == pytest.approx(exact, abs=product_tol(op) * 10 * scale)

@@ -27,9 +27,14 @@ chunks, and raises ``Stopped``; ``seed`` makes the random start vectors, hence t
   Lanczos resolves the pair. ``max_iter`` ends a run that does not converge; ``converged`` says which.
 - ``hessian_trace``: Hutch++ (Meyer, Musco, Musco and Woodruff 2021): a third of the samples sketch
   ``H`` with Rademacher vectors, a third give the trace of its projection on that range exactly, the
-  last third are Hutchinson samples of the deflated rest, whose sample standard deviation is the
-  standard error. Plain Hutchinson with Rademacher vectors on request (or under 6 samples), and the
-  exact trace (``n`` products with unit vectors, standard error 0) when ``samples >= n_wrt``.
+  last third are Hutchinson samples of the deflated rest, whose sample standard deviation gives the
+  standard error. The same products also hold plain Hutchinson samples (the sketch's and the last
+  third's own ``z^T H z``, as ``H P g = H g - (H Q) Q^T g``): ``auto`` reports whichever of the two
+  estimates has the smaller standard error (deflation pays when a few eigenvalues dominate, as in a
+  trained network's loss Hessian; on a flat spectrum, an untrained one's, it removes little and the
+  plain samples win). Plain Hutchinson on request (or under 6 samples), and the exact trace (``n``
+  products with unit vectors, standard error 0) when ``samples >= n_wrt``. ``attrs["estimates"]``
+  holds every estimate computed.
 """
 
 from __future__ import annotations
@@ -159,10 +164,10 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: 
     while j < steps:
         run.stop_point()
         w = run.apply("hvp", basis[j:j + 1])[0]
-        alpha[j] = w @ basis[j]
+        alpha[j] = np.einsum("i,i", w, basis[j])
         for _ in range(2):   # full reorthogonalisation against every basis vector, twice
             w -= basis[:j + 1].T @ (basis[:j + 1] @ w)
-        beta[j] = np.linalg.norm(w)
+        beta[j] = _norm(w)
         j += 1
         run.report(j, None)
         if j >= rank:
@@ -192,8 +197,14 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: 
         attrs={"rank": rank, "tol": tol, "seed": seed, "max_iter": steps, "residual": "||H v - l v||"})
 
 
+def _norm(v: np.ndarray) -> float:
+    """``||v||`` without BLAS: beside TensorFlow's thread pools, OpenBLAS' threads can take milliseconds
+    to wake up for a dot product of microseconds (seen on a 2-core host)."""
+    return math.sqrt(float(np.einsum("i,i", v, v)))
+
+
 def _unit(v: np.ndarray) -> np.ndarray:
-    norm = np.linalg.norm(v)
+    norm = _norm(v)
     return v / norm if norm > 0 else v
 
 
@@ -210,11 +221,12 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
                   chunk_size: int | None = None, progress: Progress | None = None,
                   should_stop: StopCheck | None = None) -> MatFreeResult:
     """tr(H) (of ``sum(of)`` w.r.t. the wrt axis) from ``samples`` HVPs: ``trace`` and its ``stderr`` (0-d).
-    ``method``: ``auto`` (``exact`` when ``samples >= n_wrt``, else ``hutch++`` from 6 samples, else
-    ``hutchinson``), ``hutch++``, ``hutchinson`` or ``exact``."""
+    ``method``: ``auto`` (``exact`` when ``samples >= n_wrt``; else from 6 samples the Hutch++ products, and
+    the better of their two estimates; else ``hutchinson``), ``hutch++``, ``hutchinson`` or ``exact``."""
     op.require_hessian("hessian_trace")
     samples = _ruled(matfree_rules.check_samples, samples, method=method)
     n = op.n_wrt
+    requested = method
     if method == "auto":
         method = ("exact" if samples >= n else "hutch++" if samples >= matfree_rules.MIN_HUTCHPP_SAMPLES
                   else "hutchinson")
@@ -237,9 +249,8 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
     def rademacher(k: int) -> np.ndarray:
         return rng.choice(np.array([-1.0, 1.0]), size=(k, n))
 
-    deflated = 0.0
+    estimates: dict[str, dict[str, float]] = {}
     if method == "exact":
-        estimates = np.zeros(0)
         diagonal = np.empty(n)
         step = chunk_size or n
         for start in range(0, n, step):   # unit vectors made a chunk at a time: never an n x n array
@@ -247,26 +258,40 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
             eye = np.zeros((stop - start, n))
             eye[np.arange(stop - start), np.arange(start, stop)] = 1.0
             diagonal[start:stop] = np.diagonal(products(eye)[:, start:stop])
-        trace, stderr = float(diagonal.sum()), 0.0
+        estimates["exact"] = {"trace": float(diagonal.sum()), "stderr": 0.0}
     elif method == "hutchinson":
         z = rademacher(samples)
-        estimates = np.einsum("ij,ij->i", z, products(z))
-        trace, stderr = float(estimates.mean()), float(estimates.std(ddof=1) / math.sqrt(samples))
+        estimates["hutchinson"] = _mean(np.einsum("ij,ij->i", z, products(z)))
     else:
         sketch = min(samples // 3, n)
-        q = np.linalg.qr(products(rademacher(sketch)).T)[0]                       # an orthonormal range of H S
-        deflated = float(np.einsum("ij,ij->", q.T, products(q.T)))                # tr(Q^T H Q)
+        s = rademacher(sketch)
+        hs = products(s)
+        q = np.linalg.qr(hs.T)[0]                                   # an orthonormal basis of range(H S)
+        hq = products(q.T)                                          # rows H q_i
+        deflated = float(np.einsum("ij,ij->", q.T, hq))             # tr(Q^T H Q)
         g = rademacher(samples - 2 * sketch)
-        g -= (g @ q) @ q.T                                                        # (I - Q Q^T) g
-        estimates = np.einsum("ij,ij->i", g, products(g))
-        trace = deflated + float(estimates.mean())
-        stderr = float(estimates.std(ddof=1) / math.sqrt(len(estimates))) if len(estimates) > 1 else 0.0
+        hg = products(g)
+        c = g @ q
+        pg, hpg = g - c @ q.T, hg - c @ hq                          # P g and H P g = H g - (H Q) Q^T g, P = I - Q Q^T
+        rest = _mean(np.einsum("ij,ij->i", pg, hpg))
+        estimates["hutch++"] = {"trace": deflated + rest["trace"], "stderr": rest["stderr"]}
+        # The sketch's and g's own Hutchinson samples cost nothing more: on a flat spectrum, where deflation
+        # removes little, they beat Hutch++'s third of the samples, and "auto" takes them.
+        estimates["hutchinson"] = _mean(np.concatenate([np.einsum("ij,ij->i", s, hs), np.einsum("ij,ij->i", g, hg)]))
+        if requested == "auto":
+            method = min(("hutch++", "hutchinson"), key=lambda m: estimates[m]["stderr"])
+    trace, stderr = estimates[method]["trace"], estimates[method]["stderr"]
     dtype = op.dtype
     return MatFreeResult(
         kind="hessian_trace", method=method, iterations=done, converged=True, products=run.products,
         arrays={"trace": np.asarray(trace, dtype), "stderr": np.asarray(stderr, dtype)},
-        attrs={"samples": samples, "seed": seed, "deflated_trace": deflated if method == "hutch++" else None,
-               "estimates": len(estimates)})
+        attrs={"samples": samples, "seed": seed, "requested_method": requested, "estimates": estimates})
+
+
+def _mean(samples: np.ndarray) -> dict[str, float]:
+    """A sample mean and its standard error."""
+    stderr = float(samples.std(ddof=1) / math.sqrt(len(samples))) if len(samples) > 1 else 0.0
+    return {"trace": float(samples.mean()), "stderr": stderr}
 
 
 def spectral(op: Operator, kind: str, **options: Any) -> MatFreeResult:
