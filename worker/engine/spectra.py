@@ -154,12 +154,13 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: 
     rank = _ruled(matfree_rules.check_rank, "hessian_eig", rank, of_size=op.n_of, wrt_size=n)
     tol = _ruled(matfree_rules.check_tol, tol)
     run = _Run(op, chunk_size, progress, should_stop)
-    steps = min(n, max_iter or max(20 * rank, 100))
+    steps = min(n, max(rank, max_iter or max(20 * rank, 100)))
     rng = np.random.default_rng(seed)
     basis = np.empty((steps + 1, n))
     alpha, beta = np.zeros(steps), np.zeros(steps)
     basis[0] = _unit(rng.standard_normal(n))
-    converged, j = False, 0
+    converged, j, block = False, 0, 0       # block: where the current Krylov sequence started
+    eps = 100 * float(np.finfo(op.compute_dtype).eps)
     theta, ritz = np.zeros(0), np.zeros((0, 0))
     while j < steps:
         run.stop_point()
@@ -170,16 +171,22 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: 
         beta[j] = _norm(w)
         j += 1
         run.report(j, None)
+        scale = max(float(np.abs(alpha[:j]).max()), float(beta[:j].max()), np.finfo(np.float64).tiny)
+        invariant = beta[j - 1] <= eps * scale     # the Krylov space is invariant (to rounding)
+        if invariant:
+            beta[j - 1] = 0.0
         if j >= rank:
             theta, ritz = _ritz(alpha[:j], beta[:j - 1], rank)
-            if j == n or _converged(theta, np.abs(beta[j - 1] * ritz[-1]), tol, op.compute_dtype):
+            if j == n or (not invariant and _converged(theta, np.abs(beta[j - 1] * ritz[-1]), tol, op.compute_dtype)):
                 converged = True
+                break
+            if invariant and j - block == 1 and _rest_is_smaller(alpha[:j], beta[:j - 1], alpha[j - 1], rank):
+                converged = True   # a random start was an eigenvector: H is alpha * I on the rest
                 break
         if j == steps:
             break
-        scale = max(float(np.abs(alpha[:j]).max()), float(beta[:j].max()), np.finfo(np.float64).tiny)
-        if beta[j - 1] <= 1e-10 * scale:   # an invariant subspace: go on from a fresh orthogonal direction
-            beta[j - 1] = 0.0
+        if invariant:   # its eigenvalues are exact; H on the rest is unexplored: a fresh orthogonal start
+            block = j
             w = rng.standard_normal(n)
             for _ in range(2):
                 w -= basis[:j].T @ (basis[:j] @ w)
@@ -206,6 +213,13 @@ def _norm(v: np.ndarray) -> float:
 def _unit(v: np.ndarray) -> np.ndarray:
     norm = _norm(v)
     return v / norm if norm > 0 else v
+
+
+def _rest_is_smaller(alpha: np.ndarray, beta: np.ndarray, rest: float, rank: int) -> bool:
+    """Whether ``rank`` eigenvalues found (of the tridiagonal ``(alpha, beta)``) are at least as large in magnitude
+    as ``rest``, the eigenvalue of H on the whole unexplored space: then they are the ``rank`` largest."""
+    found = np.linalg.eigvalsh(np.diag(alpha) + np.diag(beta, 1) + np.diag(beta, -1))
+    return int(np.count_nonzero(np.abs(found) >= abs(rest))) >= rank
 
 
 def _ritz(alpha: np.ndarray, beta: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
