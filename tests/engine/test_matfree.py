@@ -201,6 +201,28 @@ def test_against_the_dense_matrix(built, case, kind):
         assert float(auto.arrays["trace"]) == pytest.approx(exact, abs=product_tol(op) * 10 * scale)
 
 
+@pytest.mark.parametrize("x, s, want", [
+    (np.arange(1.0, 7.0), 0.0, [91.0, 0.0, 0.0]),     # x x^T: rank one, |x|^2 = 91, then zeros
+    (np.zeros(6), 2.0, [2.0, 2.0, 2.0]),              # 2 I: one eigenvalue six times
+    (np.arange(1.0, 7.0), 2.0, [93.0, 2.0, 2.0]),     # x x^T + 2 I
+])
+def test_hessian_eig_finds_repeated_and_zero_eigenvalues(tmp_path_factory, x, s, want):
+    """Where Lanczos reaches an invariant subspace (to rounding) it starts again from a fresh orthogonal
+    direction, until the values found are the largest: repeated eigenvalues come out as often as asked."""
+    from worker.engine import load_model
+    from worker.engine.matfree import build_operator
+    from worker.engine.spectra import hessian_eig
+
+    model = load_model(str(models.quadratic(tmp_path_factory.mktemp("quadratic") / "q")))
+    op = build_operator(model, {"x": x, "s": np.float64(s)}, of="loss", wrt="variables/w")
+    result = hessian_eig(op, 3, tol=1e-8)
+    np.testing.assert_allclose(result.arrays["eigenvalues"], want, atol=1e-9 * want[0])
+    assert result.converged and np.all(result.residuals <= 1e-8 * want[0])
+    vectors = result.arrays["eigenvectors"]
+    np.testing.assert_allclose(vectors @ vectors.T, np.eye(3), atol=1e-9)
+    assert result.iterations <= 6
+
+
 # -- the wrt axis ------------------------------------------------------------------------------------
 
 
@@ -330,6 +352,23 @@ def test_both_routes_agree_with_the_dense_matrix(loaded, built, kind):
         got = getattr(op, kind)(seeds).reshape(3, -1)
         assert op.labels[kind] == f"{route}/vectorized"
         np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("route", ["forward", "reverse"])
+def test_depthwise_convolutions_vectorize(tmp_path_factory, route):
+    """JVPs and HVPs through a depthwise convolution w.r.t. its input, vectorized over seeds: pfor needs the
+    DepthwiseConv2dNative converter of ``worker.engine.pfor_patches`` for a fixed filter (MobileNet)."""
+    from worker.engine import load_model
+    from worker.engine.matfree import build_operator
+
+    model = load_model(str(models.depthwise_small(tmp_path_factory.mktemp("depthwise") / "dw")))
+    image = np.random.default_rng(0).standard_normal((2, 5, 5, 2)).astype("float32")
+    op = build_operator(model, {"image": image}, of="y", wrt="image", reduce="sum", routes={"jvp": route, "hvp": route})
+    jac, hess = dense(op)
+    seeds = np.random.default_rng(1).standard_normal((3, op.n_wrt))
+    assert_products(op.jvp(seeds).reshape(3, -1), seeds @ jac.T, op)
+    assert_products(op.hvp(seeds), seeds @ hess.T, op)
+    assert op.labels == {"jvp": f"{route}/vectorized", "hvp": f"{route}/vectorized"}, op.failures
 
 
 def test_forward_mode_wrt_a_variable_is_caught(loaded):
