@@ -131,6 +131,79 @@ def float64_model(path: Path) -> Path:
     return path
 
 
+def softmax_mlp(path: Path, *, sizes=(6, 8, 3), dtype="float32", seed=0) -> Path:
+    """A ``tf.Module`` tanh MLP classifier: ``x`` (None, sizes[0]) and int32 ``labels`` (None,) -> ``logits``
+    (None, sizes[-1]) and ``loss`` () (mean softmax cross-entropy); variables ``w0``, ``b0``, ``w1``, ... For the
+    matrix-free kinds: a classification loss over every parameter (``variables/*``)."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+
+    class Classifier(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [(tf.Variable(rng.normal(size=(a, b)) / np.sqrt(a), dtype=dtype, name=f"w{i}"),
+                            tf.Variable(rng.normal(size=(b,)) * 0.1, dtype=dtype, name=f"b{i}"))
+                           for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
+
+        @tf.function(input_signature=[tf.TensorSpec([None, sizes[0]], dtype, name="x"),
+                                      tf.TensorSpec([None], tf.int32, name="labels")])
+        def __call__(self, x, labels):
+            h = x
+            for i, (w, b) in enumerate(self.layers):
+                h = h @ w + b
+                if i < len(self.layers) - 1:
+                    h = tf.tanh(h)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=h))
+            return {"logits": h, "loss": loss}
+
+    m = Classifier()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
+def quadratic(path: Path, *, n: int = 6) -> Path:
+    """``loss = 0.5 (x . w)^2 + 0.5 s |w|^2``: its Hessian w.r.t. the variable ``w`` (n,) is ``x x^T + s I``, of
+    rank one for ``s = 0`` and ``s I`` for ``x = 0`` (repeated eigenvalues). Inputs ``x`` (n,), ``s`` () float64."""
+    import tensorflow as tf
+
+    class Quadratic(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(np.linspace(-1.0, 1.0, n), name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec([n], tf.float64, name="x"),
+                                      tf.TensorSpec([], tf.float64, name="s")])
+        def __call__(self, x, s):
+            return {"loss": 0.5 * tf.reduce_sum(x * self.w) ** 2 + 0.5 * s * tf.reduce_sum(self.w ** 2)}
+
+    m = Quadratic()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
+def depthwise_small(path: Path) -> Path:
+    """``tf.nn.depthwise_conv2d`` with a fixed filter, then tanh: ``image`` (None, 5, 5, 2) -> ``y`` (None, 3, 3, 4)
+    and ``loss`` (); pfor needs ``worker.engine.pfor_patches`` to vectorize its JVPs and HVPs w.r.t. ``image``."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+
+    class Depthwise(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.filter = tf.Variable(rng.normal(size=(3, 3, 2, 2)).astype("float32"), name="filter")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 5, 5, 2], tf.float32, name="image")])
+        def __call__(self, image):
+            y = tf.tanh(tf.nn.depthwise_conv2d(image, self.filter, strides=[1, 1, 1, 1], padding="VALID"))
+            return {"y": y, "loss": 0.5 * tf.reduce_sum(y * y)}
+
+    m = Depthwise()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
 def batch_interacting(path: Path) -> Path:
     """Examples interact: ``y = tanh(x - mean(x over the batch))``, ``x`` (None, 4)."""
     import tensorflow as tf

@@ -1,10 +1,15 @@
-"""Fill a gap in TensorFlow's pfor: depthwise-conv gradients with loop-invariant operands.
+"""Fill a gap in TensorFlow's pfor: depthwise convolutions and their gradients with loop-invariant operands.
 
 TensorFlow 2.21 converts ``DepthwiseConv2dNativeBackpropInput`` only when the filter varies with
 the pfor loop (per-example weights); a Jacobian w.r.t. the *input* has a fixed filter, and the
 conversion fails with 'Input "filter" ... expected to be not loop invariant'. That makes
 ``tape.jacobian`` and ``vectorized_map`` fail on every MobileNet-like SavedModel. With a fixed
 filter the loop dimension folds into the batch dimension: one batched op, exact same math.
+
+``DepthwiseConv2dNative`` itself has the same gap: pfor converts it only with both operands varying.
+A JVP (forward mode: the tangent through the convolution) or the derivative of a VJP (the matrix-free
+kinds' reverse route to ``J v``) vectorized over seeds convolves a varying input with the fixed filter;
+it folds the same way (and a varying filter with a fixed input stacks the input for TensorFlow's).
 """
 
 from __future__ import annotations
@@ -43,17 +48,41 @@ def install() -> None:
         pfor._pfor_converter_registry[op_type] = convert
 
     # The filter gradient of the same op (computed by a loaded function's backward pass even when
-    # only the input gradient is used, then pruned): stack the fixed input and reuse TensorFlow's.
+    # only the input gradient is used, then pruned): stack the fixed input, or the fixed output gradient
+    # (a JVP of the backward pass: a varying input), and reuse TensorFlow's.
     filter_type = "DepthwiseConv2dNativeBackpropFilter"
     original_filter = pfor._pfor_converter_registry.get(filter_type)
 
     def convert_filter(pfor_input):  # type: ignore[no-untyped-def]
-        if pfor_input.input(0).is_stacked or not pfor_input.input(2).is_stacked:
+        first, last = pfor_input.input(0).is_stacked, pfor_input.input(2).is_stacked
+        if first == last:
             return original_filter(pfor_input)
-        stacked = pfor._stack(pfor_input.input(0).t, pfor_input.pfor.loop_len_vector)
-        inputs = [stacked] + list(pfor_input.inputs[1:])
+        inputs = list(pfor_input.inputs)
+        fixed = 2 if first else 0
+        inputs[fixed] = pfor._stack(inputs[fixed].t, pfor_input.pfor.loop_len_vector)
         return original_filter(pfor._PforInput(pfor_input.pfor, pfor_input.op, inputs))
 
     if original_filter is not None:
         pfor._pfor_converter_registry[filter_type] = convert_filter
+
+    conv_type = "DepthwiseConv2dNative"
+    original_conv = pfor._pfor_converter_registry.get(conv_type)
+
+    def convert_conv(pfor_input):  # type: ignore[no-untyped-def]
+        if pfor_input.input(1).is_stacked:
+            if pfor_input.input(0).is_stacked:
+                return original_conv(pfor_input)
+            stacked = pfor._stack(pfor_input.input(0).t, pfor_input.pfor.loop_len_vector)
+            return original_conv(pfor._PforInput(pfor_input.pfor, pfor_input.op, [stacked, pfor_input.inputs[1]]))
+        x = pfor_input.stacked_input(0)  # [L, N, ...], batch first in NHWC and NCHW
+        shape = array_ops.shape(x)
+        folded = array_ops.reshape(x, array_ops.concat([[-1], shape[2:]], axis=0))
+        result = pfor._create_op(conv_type, [folded, pfor_input.unstacked_input(1)],
+                                 [t.dtype for t in pfor_input.outputs], attrs=pfor_input.op.node_def.attr).outputs[0]
+        out_shape = array_ops.shape(result)
+        unfolded = array_ops.reshape(result, array_ops.concat([shape[:2], out_shape[1:]], axis=0))
+        return pfor.wrap(unfolded, True)
+
+    if original_conv is not None:
+        pfor._pfor_converter_registry[conv_type] = convert_conv
     _INSTALLED = True

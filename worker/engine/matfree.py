@@ -1,0 +1,325 @@
+"""Matrix-free products over one concatenated ``wrt`` axis: J v (``jvp``), v^T J (``vjp``), H v (``hvp``).
+
+``build_operator`` resolves a request (``of``, ``wrt`` as one name, a list or ``"variables/*"``:
+``worker.engine.wrt_axis``) and returns an ``Operator`` whose products take a batch of ``k`` seeds
+per compiled call, chunked over the seeds by the caller's ``chunk_size`` (halved on out-of-memory).
+Seeds and results are flat along ``wrt``: ``jvp`` ``(k, n_wrt) -> (k,) + of.shape``, ``vjp``
+``(k,) + of.shape -> (k, n_wrt)``, ``hvp`` ``(k, n_wrt) -> (k, n_wrt)`` (``Operator.axis.unflatten``
+gives ``(k,) + wrt.shape``). A flat seed is split into per-source pieces by the axis' slices; the
+pieces' contributions are summed (``jvp``) or their gradients concatenated (``vjp``, ``hvp``).
+
+How a product is computed (a *label*, ``route/strategy``):
+
+- routes: ``jvp`` by forward mode (``ForwardAccumulator``) or, ``reverse``, as the derivative of a VJP
+  with respect to its cotangent (``J t = d/du <J^T u, t>``, two reverse passes); ``hvp`` forward-over-
+  reverse or reverse-over-reverse; ``vjp`` reverse. Forward mode is not tried w.r.t. a variable: in a
+  compiled function TensorFlow's JVP w.r.t. a variable captured by a loaded function is silently zero.
+- strategies: ``vectorized`` (``tf.vectorized_map`` over the seeds: one trace serves any ``k``, the seeds
+  are a ``[None, None]`` argument and the inputs arguments too), ``loop`` (a compiled one-seed function
+  per seed), ``eager`` (no ``tf.function``).
+
+The first call of a kind tries the labels in that order on its seeds plus one random probe seed,
+whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``); the first label
+that runs and agrees is kept for the operator. Compiled functions are cached on the loaded model
+(``model.compiled``). ``Operator.counts`` counts the products: per kind, and ``checks`` for the probe
+rows and reference products spent choosing. Results are cast to the wider dtype of ``of`` and ``wrt``
+(``contracts.rules.result_dtype``), or ``output_dtype``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from contracts import rules
+from worker.engine import matfree_rules, pfor_patches
+from worker.engine.chunk_run import rows_agree
+from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
+from worker.engine.memory import is_out_of_memory
+from worker.engine.model import LoadedModel
+from worker.engine.problem import _convert_inputs, _described, _probe_shape, _ruled, error_summary
+from worker.engine.products import body
+from worker.engine.wrt_axis import WrtAxis, wrt_axis
+
+ROUTES = {"jvp": ("forward", "reverse"), "vjp": ("reverse",), "hvp": ("forward", "reverse")}
+PROBE_SEED = 20240611   # the random probe row of a kind's first call
+
+
+@dataclass(frozen=True)
+class ProductKey:
+    """One compiled product function of a loaded model (``model.compiled``)."""
+
+    of: str
+    wrt: tuple[str, ...]
+    optional: frozenset[str]
+    kind: str
+    label: str
+    reduce: str | None
+    dtype: str
+    inputs: tuple[tuple[str, str], ...]
+
+
+@dataclass
+class MatFreeResult:
+    """What a matrix-free kind produced: ``arrays`` by storage name (``products``; ``S``, ``U``, ``V``;
+    ``eigenvalues``, ``eigenvectors``; ``trace``, ``stderr``) and how: ``method``, ``iterations``,
+    ``residuals`` (or None), ``products`` (counts by kind, and ``checks``), ``converged``, and ``attrs``
+    (JSON: tolerances, sizes, what the residuals measure)."""
+
+    kind: str
+    method: str
+    arrays: dict[str, np.ndarray]
+    products: dict[str, int]
+    iterations: int = 0
+    residuals: np.ndarray | None = None
+    converged: bool = True
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def attributes(self) -> dict[str, Any]:
+        """JSON attributes for the result group."""
+        out = {"kind": self.kind, "method": self.method, "iterations": self.iterations, "products": self.products,
+               "converged": self.converged, **self.attrs}
+        if self.residuals is not None:
+            out["residuals"] = [float(r) for r in np.asarray(self.residuals, np.float64)]
+        return out
+
+
+class Operator:
+    """The matrix-free products of one request: ``of`` (shape ``of_shape``) w.r.t. ``axis`` (see the module
+    docstring). ``dtype``: the dtype of results; ``compute_dtype``: of seeds and products in the graph."""
+
+    def __init__(self, model: LoadedModel, inputs: dict[str, Any], *, of: str, of_shape: tuple[int, ...],
+                 of_dtype: str, axis: WrtAxis, reduce: str | None, dtype: str, compute_dtype: str,
+                 routes: dict[str, str] | None = None) -> None:
+        self.model, self.inputs, self.of, self.of_shape, self.of_dtype = model, inputs, of, of_shape, of_dtype
+        self.axis, self.reduce, self.dtype, self.compute_dtype = axis, reduce, dtype, compute_dtype
+        self.routes = {"jvp": "auto", "hvp": "auto", **(routes or {})}
+        self.counts = {"jvp": 0, "vjp": 0, "hvp": 0, "checks": 0}
+        self.labels: dict[str, str] = {}      # per kind: the label chosen by its first call
+        self.failures: dict[str, str] = {}    # label -> why it was not chosen
+        self.oom_retries = 0
+
+    @property
+    def n_of(self) -> int:
+        return math.prod(self.of_shape)
+
+    @property
+    def n_wrt(self) -> int:
+        return self.axis.size
+
+    def attrs(self) -> dict[str, Any]:
+        """The request as the result group's attributes (JSON)."""
+        return {"model": self.model.path, "signature": self.model.signature, "of": self.of,
+                "wrt": list(self.axis.names), "wrt_slices": self.axis.slices, "reduce": self.reduce,
+                "of_shape": list(self.of_shape), "wrt_shape": list(self.axis.shape), "dtype": self.dtype,
+                "labels": dict(self.labels)}
+
+    def require_hessian(self, kind: str) -> None:
+        """The Hessian kinds' rule: ``of`` of one element or ``reduce='sum'`` (raises InvalidRequest, field ``of``)."""
+        _ruled(matfree_rules.check_scalar_of, kind, self.of, self.of_shape, self.reduce)
+
+    # -- public products ----------------------------------------------------------------------
+
+    def jvp(self, seeds: Any, **options: Any) -> np.ndarray:
+        """``J t`` for tangents ``(k, n_wrt)`` (or ``(k,) + wrt.shape``): ``(k,) + of.shape`` in ``dtype``."""
+        flat = self._seeds("jvp", seeds)
+        return self.apply("jvp", flat, **options).astype(self.dtype).reshape((len(flat),) + self.of_shape)
+
+    def vjp(self, seeds: Any, **options: Any) -> np.ndarray:
+        """``u^T J`` for cotangents ``(k,) + of.shape`` (or ``(k, n_of)``): ``(k, n_wrt)`` in ``dtype``."""
+        return self.apply("vjp", self._seeds("vjp", seeds), **options).astype(self.dtype)
+
+    def hvp(self, seeds: Any, **options: Any) -> np.ndarray:
+        """``H v`` (Hessian of ``sum(of)``) for ``(k, n_wrt)`` (or ``(k,) + wrt.shape``): ``(k, n_wrt)``."""
+        self.require_hessian("hvp")
+        return self.apply("hvp", self._seeds("hvp", seeds), **options).astype(self.dtype)
+
+    def _seeds(self, kind: str, seeds: Any) -> np.ndarray:
+        """Seeds checked (``matfree_rules.check_seeds``, finite) and flattened to ``(k, size)``."""
+        arr = np.asarray(seeds)
+        k = _ruled(matfree_rules.check_seeds, kind, arr.shape, of_shape=self.of_shape, wrt_shape=self.axis.shape)
+        if not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+            raise InvalidRequest(f"seeds: must be real numbers, got dtype {arr.dtype}; send float seeds", field="seeds")
+        if not np.isfinite(arr).all():
+            raise InvalidRequest("seeds: hold NaN or infinite values; send finite seeds", field="seeds")
+        return arr.reshape(k, -1)
+
+    # -- chunks -------------------------------------------------------------------------------
+
+    def apply(self, kind: str, seeds: np.ndarray, *, chunk_size: int | None = None,
+              should_stop: Callable[[], bool] | None = None,
+              on_chunk: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+        """``kind`` products of flat ``seeds`` ``(k, size)``, ``chunk_size`` seeds per call (None: all at once;
+        halved on out-of-memory): ``(k, out size)`` in ``compute_dtype``. ``on_chunk(start, rows)`` hears of each
+        chunk; ``should_stop()`` is asked before each and raises ``Stopped``."""
+        seeds = np.ascontiguousarray(seeds, dtype=self.compute_dtype)
+        total = len(seeds)
+        step = max(1, min(chunk_size or total, total))
+        out: np.ndarray | None = None
+        start = 0
+        while start < total:
+            if should_stop is not None and should_stop():
+                raise Stopped("canceled between chunks", field=None)
+            n = min(step, total - start)
+            try:
+                rows = self._call(kind, seeds[start:start + n])
+            except Exception as err:  # noqa: BLE001 - out of memory halves the chunk; anything else is raised
+                if not is_out_of_memory(err):
+                    raise
+                if n <= 1:
+                    raise MemoryBudgetTooSmall("memory_budget_bytes: out of memory even at one seed per call; free "
+                                               "device memory", field="memory_budget_bytes") from err
+                step, self.oom_retries = n // 2, self.oom_retries + 1
+                continue
+            if out is None:
+                out = np.empty((total,) + rows.shape[1:], rows.dtype)
+            out[start:start + n] = rows
+            self.counts[kind] += n
+            if on_chunk is not None:
+                on_chunk(start, rows)
+            start += n
+        assert out is not None
+        return out
+
+    def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
+        label = self.labels.get(kind)
+        if label is not None:
+            return self._run(kind, label, seeds)
+        return self._choose(kind, seeds)
+
+    # -- choosing how -------------------------------------------------------------------------
+
+    def candidates(self, kind: str) -> list[str]:
+        """The labels a kind's first call tries, in order (see the module docstring)."""
+        asked = self.routes.get(kind, "auto")
+        if asked not in ("auto", *ROUTES[kind]):
+            raise InvalidRequest(f"mode: route {asked!r} cannot compute {kind}; use one of 'auto', "
+                                 + ", ".join(repr(r) for r in ROUTES[kind]), field="mode")
+        out = []
+        if "forward" in ROUTES[kind] and (asked == "forward" or (asked == "auto" and not self.axis.variables)):
+            out.append("forward/vectorized")
+        if asked != "forward":
+            out += ["reverse/vectorized", "reverse/loop", "reverse/eager"]
+        return out
+
+    def _choose(self, kind: str, seeds: np.ndarray) -> np.ndarray:
+        """The first call of ``kind``: its seeds and a probe row through each candidate label until one runs and
+        its probe row agrees with the eager reverse-mode reference; that label is kept."""
+        probe = np.random.default_rng(PROBE_SEED).standard_normal((1, seeds.shape[1])).astype(self.compute_dtype)
+        reference = self._reference(kind, probe)
+        batch = np.concatenate([seeds, probe])
+        for label in self.candidates(kind):
+            try:
+                rows = self._run(kind, label, batch)
+            except EngineError:
+                raise
+            except Exception as err:  # noqa: BLE001 - out of memory goes to the chunk loop; others: next label
+                if is_out_of_memory(err):
+                    raise
+                self.failures[label] = error_summary(err)
+                continue
+            if reference is not None and not rows_agree(rows[-1], reference):
+                self.failures[label] = "disagrees with the eager reverse-mode reference"
+                self.counts["checks"] += len(batch)
+                continue
+            self.labels[kind] = label
+            self.counts["checks"] += 1
+            return rows[:-1]
+        tried = "; ".join(f"{k}: {v}" for k, v in self.failures.items())
+        raise NotDifferentiable(f"wrt: TensorFlow cannot compute {kind} of {self.of!r} with respect to "
+                                f"{', '.join(self.axis.names)} in this SavedModel ({tried})", field="wrt")
+
+    def _reference(self, kind: str, probe: np.ndarray) -> np.ndarray | None:
+        """One eager reverse-mode product of ``probe`` (None when eager mode cannot compute it)."""
+        try:
+            row = self._run(kind, "reverse/eager", probe)[0]
+        except EngineError:
+            raise
+        except Exception as err:  # noqa: BLE001 - no reference: the first label that runs is taken
+            self.failures["reference"] = error_summary(err)
+            return None
+        self.counts["checks"] += 1
+        return row
+
+    def _run(self, kind: str, label: str, seeds: np.ndarray) -> np.ndarray:
+        """``kind`` products of ``seeds`` by ``label``: one call (``vectorized``) or one per seed."""
+        import tensorflow as tf
+
+        if label.endswith("/eager"):
+            run = body(tf, self, kind, label)
+            return np.concatenate([np.asarray(run(tf.constant(seeds[i:i + 1]), self.inputs))
+                                   for i in range(len(seeds))])
+        fn = self._compiled(tf, kind, label)
+        if label.endswith("/loop"):
+            return np.concatenate([np.asarray(fn(tf.constant(seeds[i:i + 1]), self.inputs))
+                                   for i in range(len(seeds))])
+        return np.asarray(fn(tf.constant(seeds), self.inputs))
+
+    def key(self, kind: str, label: str) -> ProductKey:
+        inputs = tuple(sorted((n, t.dtype.name) for n, t in self.inputs.items()))
+        return ProductKey(self.of, self.axis.names, self.axis.optional, kind, label,
+                          self.reduce if kind == "hvp" else None, self.compute_dtype, inputs)
+
+    def _compiled(self, tf: Any, kind: str, label: str) -> Any:
+        pfor_patches.install()
+
+        def build() -> Any:
+            spec = {n: tf.TensorSpec(s.shape, s.dtype) for n, s in self.model.input_specs.items()}
+            traced = functools.partial(body(tf, self, kind, label))  # see strategies._compiled
+            return tf.function(traced, reduce_retracing=False,
+                               input_signature=[tf.TensorSpec([None, None], self.compute_dtype), spec])
+
+        return self.model.compiled.get(self.key(kind, label), build)
+
+
+def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = None,
+                   wrt: str | Sequence[str] | None = None, kind: str | None = None, reduce: str | None = None,
+                   output_dtype: str | None = None, routes: dict[str, str] | None = None) -> Operator:
+    """Resolve and check a matrix-free request (raises InvalidRequest naming the field): the inputs against the
+    signature, ``of``, ``wrt`` (one name, a list, ``"variables/*"``), and for a Hessian ``kind`` a scalar ``of``
+    (or ``reduce='sum'``); one eager forward pass gives ``of``'s shape. ``routes``: ``{"jvp"|"hvp": "auto" |
+    "forward" | "reverse"}`` (default ``auto``)."""
+    if kind is not None and kind not in matfree_rules.MATFREE_KINDS:
+        raise InvalidRequest(f"kind: {kind!r} is not a matrix-free kind; use one of: "
+                             + ", ".join(repr(k) for k in matfree_rules.MATFREE_KINDS), field="kind")
+    _ruled(rules.check_options, kind="jacobian", reduce=reduce, output_dtype=output_dtype)
+    tensors = _convert_inputs(model, inputs)
+    of = _ruled(rules.resolve_of, of, _described(model)["outputs"], signature=model.signature)
+    axis = wrt_axis(model, tensors, wrt)
+    of_shape = _probe_shape(model, tensors, of)
+    of_dtype = model.output_specs[of].dtype.name
+    compute = rules.result_dtype(of_dtype, axis.dtype)
+    op = Operator(model, tensors, of=of, of_shape=of_shape, of_dtype=of_dtype, axis=axis, reduce=reduce,
+                  dtype=rules.result_dtype(of_dtype, axis.dtype, output_dtype), compute_dtype=compute, routes=routes)
+    if kind in matfree_rules.HESSIAN_KINDS:
+        op.require_hessian(kind)
+    return op
+
+
+def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None = None,
+                 progress: Callable[[int, int | None], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None,
+                 on_chunk: Callable[[int, np.ndarray], None] | None = None) -> MatFreeResult:
+    """Kind ``jvp``, ``vjp`` or ``hvp`` as a result: ``products`` (``(k,) + of.shape`` for ``jvp``, ``(k,) +
+    wrt.shape`` otherwise); ``progress(seeds done, k)`` after each chunk, ``on_chunk(start, flat rows)``."""
+    if kind not in matfree_rules.PRODUCT_KINDS:
+        raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
+    k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
+    before = dict(op.counts)
+
+    def chunk(start: int, rows: np.ndarray) -> None:
+        if on_chunk is not None:
+            on_chunk(start, rows)
+        if progress is not None:
+            progress(start + len(rows), k)
+
+    product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk)
+    out = product if kind == "jvp" else op.axis.unflatten(product)
+    return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays={"products": out},
+                         products={n: op.counts[n] - before[n] for n in op.counts}, iterations=1,
+                         attrs={"seeds": k})

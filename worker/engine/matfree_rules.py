@@ -1,0 +1,105 @@
+"""The rules of the matrix-free kinds (issue 14) on plain numbers and shapes: no TensorFlow, no numpy.
+
+Pure functions that raise ``contracts.rules.RuleViolation`` with the field at fault and a message
+naming the fix, as the rest of the rulebook does: the engine turns them into ``InvalidRequest``
+(``worker.engine.matfree``), and the API can apply the same functions at POST once they move to
+``contracts/rules.py`` (they import nothing from the engine for that reason).
+
+- ``jvp``, ``vjp``, ``hvp``: ``seeds`` of shape ``(k,) + wrt.shape`` (tangents, ``k >= 1``), or
+  ``(k,) + of.shape`` (cotangents) for ``vjp``; with several ``wrt``, ``(k, total size)``, and the
+  flat ``(k, size)`` is accepted for one ``wrt`` too.
+- ``svd``: ``1 <= rank <= min(size of of, size of wrt)``; ``hessian_eig``: ``1 <= rank <= size of wrt``.
+- ``tol``: a relative accuracy in ``(0, 0.5)``; ``samples`` (``hessian_trace``): at least 2, for a
+  standard error (Hutch++ needs 6: two thirds of them deflate, a third estimate what is left).
+- The Hessian kinds (``hvp``, ``hessian_eig``, ``hessian_trace``): ``of`` of one element, or
+  ``reduce='sum'`` (``contracts.rules.check_hessian``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from contracts.rules import RuleViolation, check_hessian, fmt_shape
+
+PRODUCT_KINDS = ("jvp", "vjp", "hvp")
+SPECTRAL_KINDS = ("svd", "hessian_eig", "hessian_trace")
+MATFREE_KINDS = PRODUCT_KINDS + SPECTRAL_KINDS
+HESSIAN_KINDS = ("hvp", "hessian_eig", "hessian_trace")
+TRACE_METHODS = ("auto", "hutch++", "hutchinson", "exact")
+DEFAULT_TOL = 1e-4
+DEFAULT_SAMPLES = 100
+MIN_SAMPLES = 2
+MIN_HUTCHPP_SAMPLES = 6
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_rank(kind: str, rank: object, *, of_size: int, wrt_size: int) -> int:
+    """``rank`` for ``svd`` (at most the smaller of ``of``'s and ``wrt``'s sizes) or ``hessian_eig`` (at most
+    ``wrt``'s size): the number of singular values or eigenpairs asked for."""
+    largest = min(of_size, wrt_size) if kind == "svd" else wrt_size
+    what = ("min(size of of, size of wrt) = " f"min({of_size}, {wrt_size})" if kind == "svd"
+            else f"the size of wrt ({wrt_size})")
+    if rank is None:
+        raise RuleViolation(f"rank: kind {kind!r} needs 'rank', the number of "
+                            f"{'singular values' if kind == 'svd' else 'eigenpairs'} to compute (1 to {largest})",
+                            field="rank")
+    if not _is_int(rank) or rank < 1:
+        raise RuleViolation(f"rank: must be a positive integer, got {rank!r}; ask for 1 to {largest}", field="rank")
+    if rank > largest:
+        raise RuleViolation(f"rank: {rank} is more than {what}; ask for at most {largest}"
+                            + (" (or kind 'jacobian' for the whole matrix)" if kind == "svd" else
+                               " (or kind 'hessian' for the whole matrix)"), field="rank")
+    return int(rank)
+
+
+def check_tol(tol: object) -> float:
+    """``tol``: the relative accuracy of singular values or eigenvalues, in ``(0, 0.5)``; None: the default."""
+    if tol is None:
+        return DEFAULT_TOL
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or not 0 < tol < 0.5:
+        raise RuleViolation(f"tol: must be a relative accuracy between 0 and 0.5 (exclusive), got {tol!r}; "
+                            f"the default is {DEFAULT_TOL}", field="tol")
+    return float(tol)
+
+
+def check_samples(samples: object, *, method: str = "auto") -> int:
+    """``samples``: the number of Hessian-vector products of a trace estimate (None: the default)."""
+    if method not in TRACE_METHODS:
+        raise RuleViolation(f"method: {method!r} is not a trace method; use one of: "
+                            + ", ".join(repr(m) for m in TRACE_METHODS), field="method")
+    if samples is None:
+        return DEFAULT_SAMPLES
+    least = MIN_HUTCHPP_SAMPLES if method == "hutch++" else MIN_SAMPLES
+    if not _is_int(samples) or samples < least:
+        raise RuleViolation(f"samples: must be an integer of at least {least} (a standard error needs several "
+                            f"samples), got {samples!r}; the default is {DEFAULT_SAMPLES}", field="samples")
+    return int(samples)
+
+
+def check_seeds(kind: str, shape: Sequence[int], *, of_shape: Sequence[int], wrt_shape: Sequence[int]) -> int:
+    """The shape of ``seeds`` for ``kind``: ``(k,) + of_shape`` for ``vjp``, ``(k,) + wrt_shape`` otherwise
+    (``wrt_shape``: one ``wrt``'s shape, or ``(total size,)`` for several), or ``(k, size)`` flat; ``k >= 1``.
+    Returns ``k``."""
+    along = tuple(of_shape) if kind == "vjp" else tuple(wrt_shape)
+    name = "of" if kind == "vjp" else "wrt"
+    shape = tuple(int(d) for d in shape)
+    size = math.prod(along)
+    wanted = f"(k,) + {name}.shape = (k, {', '.join(map(str, along))})" if along else "(k,)"
+    if len(shape) == 0 or shape[0] < 1:
+        raise RuleViolation(f"seeds: kind {kind!r} needs seeds of shape {wanted} with k >= 1, got "
+                            f"{fmt_shape(shape)}", field="seeds")
+    if shape[1:] != along and shape[1:] != (size,):
+        what = "cotangents shaped like of" if kind == "vjp" else "tangents shaped like wrt"
+        raise RuleViolation(f"seeds: kind {kind!r} takes {what}, of shape {wanted} (or flat (k, {size})), got "
+                            f"{fmt_shape(shape)}; reshape the seeds", field="seeds")
+    return shape[0]
+
+
+def check_scalar_of(kind: str, of: str, of_shape: Sequence[int] | None, reduce: str | None) -> None:
+    """The Hessian kinds need ``of`` of one element or ``reduce='sum'`` (``contracts.rules.check_hessian``)."""
+    if kind in HESSIAN_KINDS:
+        check_hessian(of, None if of_shape is None else tuple(of_shape), reduce)
