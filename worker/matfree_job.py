@@ -122,7 +122,7 @@ def _products(op: Any, kind: str, seeds: np.ndarray, group_url: str, dims: dict[
                                fill_value=0, dimension_names=dims["products"], attributes={"seeds": k})
 
     def keep(start: int, rows: np.ndarray) -> None:
-        array[start:start + len(rows)] = rows
+        array[start:start + len(rows)] = np.asarray(rows, op.dtype).reshape((len(rows),) + row_shape)
 
     result = run_products(op, kind, seeds, chunk_size=chunk_size, progress=on_progress, should_stop=should_stop,
                           on_chunk=keep)
