@@ -18,7 +18,7 @@ import numpy as np
 
 from app.errors import InvalidRequest, NonFiniteInput, SignatureMismatch
 from contracts import rules
-from contracts.jobspec import JobOptions, Kind
+from contracts.jobspec import SEEDS_MEMBER, JobOptions, Kind
 from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
 
 
@@ -131,3 +131,40 @@ def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, ar
         raise InvalidRequest(f"inputs: the result would be {size} bytes, over the limit of {max_result_bytes} "
                              "(JACOBIAN_MAX_RESULT_BYTES); use smaller inputs, kind='batch_jacobian' for "
                              "independent examples, or output_dtype='float16'", field="inputs")
+
+
+def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[str, Described],
+                      variables: Mapping[str, TensorSpec], *, seeds: Any) -> tuple[str, str | list[str]]:
+    """The matrix-free kinds at POST (``jvp``, ``vjp``, ``hvp``, ``svd``, ``hessian_eig``, ``hessian_trace``):
+    the inputs against the signature (the seeds aside), ``of``, each ``wrt`` (a name, a list, or
+    ``variables/*``), a scalar ``of`` for the Hessian kinds, seeds for the product kinds and only for them.
+    What needs the concrete shapes (the seeds' shape, ``rank`` against the sizes) the worker checks with
+    the same rules (``worker.engine.matfree_rules``) and fails the job naming the field."""
+    check_signature({n: d for n, d in described.items() if n != SEEDS_MEMBER}, sig)
+    of = resolve_of(options.of, sig)
+    kind = options.kind.value
+    if options.wrt == ["variables/*"] or options.wrt == "variables/*":
+        if not variables:
+            raise InvalidRequest("wrt: 'variables/*' but this signature reads no variables; name inputs instead",
+                                 field="wrt")
+        wrt: str | list[str] = "variables/*"
+    elif isinstance(options.wrt, list):
+        wrt = [resolve_wrt(name, sig, variables) for name in options.wrt]
+        twice = sorted({n for n in wrt if wrt.count(n) > 1})
+        if twice:
+            raise InvalidRequest(f"wrt: {', '.join(map(repr, twice))} given twice; name each source once",
+                                 field="wrt")
+    else:
+        wrt = resolve_wrt(options.wrt, sig, variables)
+    if kind in ("hvp", "hessian_eig", "hessian_trace"):
+        with _as_signature_mismatch():
+            rules.check_hessian(of, sig.outputs[of].shape, options.reduce, outputs=sig.outputs)
+    products = ("jvp", "vjp", "hvp")
+    if kind in products and seeds is None:
+        along = "(k,) + of.shape (cotangents)" if kind == "vjp" else "(k,) + wrt.shape (tangents)"
+        raise InvalidRequest(f"seeds: kind {kind!r} needs seeds of shape {along}: the JSON field 'seeds', or the "
+                             f"member {SEEDS_MEMBER!r} of the .npz", field="seeds")
+    if kind not in products and seeds is not None:
+        raise InvalidRequest(f"seeds: only the product kinds ({', '.join(products)}) take seeds; remove them",
+                             field="seeds")
+    return of, wrt

@@ -321,14 +321,19 @@ def _store_args(uri: str) -> tuple[str, dict[str, Any] | None]:
     return uri.removeprefix("file://"), None
 
 
-def open_zarr(uri: str, name: str = "jacobian") -> Any:
-    """The array ``name`` of the result group at ``uri`` (``result.uri``), read-only and lazy; an array at
-    ``uri`` itself (results stored before the group layout) as it is. ``s3://`` through fsspec."""
+def open_zarr(uri: str, name: str | None = None) -> Any:
+    """The array ``name`` (default: the kind's main array: ``jacobian``, ``products``, ``S``, ...) of the result
+    group at ``uri`` (``result.uri``), read-only and lazy; an array at ``uri`` itself (results stored before the
+    group layout) as it is. ``s3://`` through fsspec."""
     import zarr
+
+    from contracts.layout import JACOBIAN_ARRAY, MAIN_ARRAYS
 
     path, options = _store_args(uri)
     node = zarr.open(path, mode="r", storage_options=options)
-    return node[name] if isinstance(node, zarr.Group) else node
+    if not isinstance(node, zarr.Group):
+        return node
+    return node[name or MAIN_ARRAYS.get(str(node.attrs.get("kind")), JACOBIAN_ARRAY)]
 
 
 def open_xarray(uri: str) -> Any:

@@ -101,6 +101,8 @@ def parse_npz_query(params: Mapping[str, str]) -> tuple[JobOptions, ModelRef]:
         model = ModelRef(path=path, signature=signature)
     except ValidationError as exc:
         raise InvalidRequest(f"model_path/signature: {exc.errors()[0]['msg']}") from None
+    if isinstance(opts.get("wrt"), str) and "," in opts["wrt"]:  # several wrt in a query: "wrt=a,variables/w"
+        opts["wrt"] = [name.strip() for name in opts["wrt"].split(",")]
     return RequestedOptions.model_validate(opts), model
 
 

@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 from fastapi import Request
@@ -26,7 +26,7 @@ from app.metrics import JOBS_SUBMITTED
 from app.routes.models import load_signature
 from app.security import check_path_text
 from contracts import storage
-from contracts.jobspec import RUN_JOB_TASK, JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob
+from contracts.jobspec import RUN_JOB_TASK, SEEDS_MEMBER, JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob
 from contracts.jobstore import JobRecord, JobStore
 from contracts.settings import Settings
 
@@ -112,7 +112,10 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
                                           path_field="model.path" if job else "model_path",
                                           signature_field="model.signature" if job else "signature")
 
-    def check(described: Mapping[str, checks.Described]) -> tuple[str, str]:
+    def check(described: Mapping[str, checks.Described]) -> tuple[str, Any]:
+        if options.kind.matrix_free:
+            return checks.check_matrix_free(options, sig, described, info.variables_of(sig.name),
+                                            seeds=seeds_given(described))
         checks.check_signature(described, sig)
         of = checks.resolve_of(options.of, sig)
         variables = info.variables_of(sig.name)
@@ -121,6 +124,14 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
         checks.check_result_size(options, sig, of, wrt, described, variables,
                                   max_result_bytes=settings.max_result_bytes)
         return of, wrt
+
+    def seeds_given(described: Mapping[str, checks.Described]) -> checks.Described | None:
+        if job is not None and job.seeds is not None:
+            if SEEDS_MEMBER in described:
+                raise InvalidRequest(f"seeds: given twice, as the JSON field and as the member {SEEDS_MEMBER!r} of "
+                                     "inputs_uri; keep one", field="seeds")
+            return job.seeds
+        return described.get(SEEDS_MEMBER)
 
     limits = {"max_bytes": settings.max_input_bytes, "max_elements": settings.max_input_elements}
     if job is not None and job.inputs is not None:
@@ -136,6 +147,8 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
                 source = stack.enter_context(tensors.NpzInputs(file, field="inputs_uri", **limits))
             of, wrt = check(source.headers)
             arrays = source.arrays()
+    if job is not None and job.seeds is not None:
+        arrays[SEEDS_MEMBER] = tensors.arrays_from_json({SEEDS_MEMBER: job.seeds}, sig, **limits)[SEEDS_MEMBER]
     checks.check_finite(arrays)
     spec = options.model_dump(exclude={"of", "wrt"})
     queued = QueuedJob(id="", model=ModelRef(path=str(model_dir), signature=model.signature), inputs_uri="",

@@ -24,6 +24,21 @@ class Kind(str, Enum):
     jacobian = "jacobian"
     batch_jacobian = "batch_jacobian"
     hessian = "hessian"
+    jvp = "jvp"
+    vjp = "vjp"
+    hvp = "hvp"
+    svd = "svd"
+    hessian_eig = "hessian_eig"
+    hessian_trace = "hessian_trace"
+
+    @property
+    def matrix_free(self) -> bool:
+        """Products and spectra: computed from JVPs, VJPs or HVPs, never as the matrix."""
+        return self.value in MATRIX_FREE_KINDS
+
+
+MATRIX_FREE_KINDS = ("jvp", "vjp", "hvp", "svd", "hessian_eig", "hessian_trace")
+SEEDS_MEMBER = "__seeds__"  # the seeds' name in an .npz body, in inputs_uri and in the stored inputs.npz
 
 
 class Mode(str, Enum):
@@ -92,7 +107,10 @@ class JobOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     of: str | None = Field(None, description="output name; may be omitted when the signature has one output")
-    wrt: str | None = Field(None, description="input name or 'variables/<name>'; may be omitted when unambiguous")
+    wrt: str | list[str] | None = Field(
+        None, description="input name or 'variables/<name>'; may be omitted when unambiguous; "
+        "for the matrix-free kinds also a list of them or 'variables/*' (every trainable variable), concatenated "
+        "into one wrt axis")
     kind: Kind = Kind.jacobian
     mode: Mode = Mode.auto
     reduce: str | None = Field(None, description="'sum' to take the Hessian of sum(of) for a non-scalar of")
@@ -103,6 +121,11 @@ class JobOptions(BaseModel):
                                "row count, the storage blocks and the live workers; see README 'Scale-out')")
     chunk_rows: int | None = Field(None, ge=1, le=MAX_CHUNK_ROWS, description="force this compute chunk (rows; "
                                    "at most the job's rows); default: planned from free memory")
+    rank: int | None = Field(None, ge=1, le=MAX_CHUNK_ROWS, description="svd, hessian_eig: how many singular "
+                             "values or eigenpairs (largest first)")
+    tol: float | None = Field(None, gt=0, lt=0.5, description="svd, hessian_eig: relative accuracy (default 1e-4)")
+    samples: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_trace: Hessian-vector products "
+                                "to spend (default 100; at least the wrt size gives the exact trace)")
     precision: Literal["highest", "tf32"] = Field(
         "highest", description="'highest': full float32 matmuls and convolutions on the GPU (TensorFloat-32 off, "
         "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
@@ -112,6 +135,19 @@ class JobOptions(BaseModel):
     def _check(self) -> JobOptions:
         if self.reduce not in (None, "sum"):
             raise ValueError(f"reduce: {self.reduce!r} is not supported; use 'sum' or omit it")
+        if isinstance(self.wrt, list) and not self.kind.matrix_free and len(self.wrt) != 1:
+            raise ValueError(f"wrt: a list of names is taken by the matrix-free kinds ({', '.join(MATRIX_FREE_KINDS)}) "
+                             f"so far; kind {self.kind.value!r} takes one name")
+        if isinstance(self.wrt, list) and len(self.wrt) == 1 and not self.kind.matrix_free:
+            self.wrt = self.wrt[0]
+        if isinstance(self.wrt, list) and not 1 <= len(self.wrt) <= MAX_INPUTS + 1024:
+            raise ValueError(f"wrt: a list of {len(self.wrt)} names; give 1 to {MAX_INPUTS + 1024}, or 'variables/*'")
+        for name, kinds in (("rank", ("svd", "hessian_eig")), ("tol", ("svd", "hessian_eig")),
+                            ("samples", ("hessian_trace",))):
+            if getattr(self, name) is not None and self.kind.value not in kinds:
+                raise ValueError(f"{name}: only for kind {' or '.join(repr(k) for k in kinds)}; remove it")
+        if self.kind.value in ("svd", "hessian_eig") and self.rank is None:
+            raise ValueError(f"rank: kind {self.kind.value!r} needs rank, how many values to compute (e.g. 5)")
         if self.output_dtype is not None and self.output_dtype not in STORABLE_DTYPES:
             raise ValueError(f"output_dtype: {self.output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); "
                              f"use one of {', '.join(STORABLE_DTYPES)}")
@@ -132,6 +168,8 @@ class JobCreate(RequestedOptions):
     model: ModelRef
     inputs: dict[str, TensorIn] | None = Field(None, description=f"at most {MAX_INPUTS} tensors by input name")
     inputs_uri: str | None = Field(None, description="an .npz in storage (local path, file:// or s3://)")
+    seeds: TensorIn | None = Field(None, description="jvp, hvp: tangents (k,) + wrt.shape; vjp: cotangents "
+                                   f"(k,) + of.shape (in an .npz body or inputs_uri: the member {SEEDS_MEMBER!r})")
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,9 @@ import numpy as np
 RESULT_GROUP = "result.zarr"   # the job's Zarr v3 group (consolidated metadata); ``result.uri`` points at it
 JACOBIAN_ARRAY = "jacobian"    # the dense kinds' array in that group
 RESULT_ARRAY = f"{RESULT_GROUP}/{JACOBIAN_ARRAY}"  # its path under the job folder
+# The array rows are read from (GET .../result?rows=, preview.png), by kind; the dense kinds' is ``jacobian``.
+MAIN_ARRAYS = {"jvp": "products", "vjp": "products", "hvp": "products", "svd": "S", "hessian_eig": "eigenvalues",
+               "hessian_trace": "trace"}
 MANIFEST = "manifest.json"
 INPUTS = "inputs.npz"
 COMMITTED_DIR = "committed"

@@ -294,10 +294,15 @@ def open_group(url: str, mode: str = "r") -> zarr.Group:
     return zarr.open_group(store=zarr_store(url, read_only=mode == "r"), mode=mode)  # type: ignore[arg-type]
 
 
-def open_result(url: str, name: str = "jacobian") -> zarr.Array:
-    """A result's array ``name``, read-only, from its group at ``url`` (``result.uri``); an array at ``url``
-    itself (results stored before the group layout, ``{job}/jacobian.zarr``) is returned as it is."""
+def open_result(url: str, name: str | None = None) -> zarr.Array:
+    """A result's array ``name`` (default: its kind's main array, ``layout.MAIN_ARRAYS``, else ``jacobian``),
+    read-only, from its group at ``url`` (``result.uri``); an array at ``url`` itself (results stored before
+    the group layout, ``{job}/jacobian.zarr``) is returned as it is."""
     import zarr
 
+    from contracts.layout import JACOBIAN_ARRAY, MAIN_ARRAYS
+
     node = zarr.open(store=zarr_store(url, read_only=True), mode="r")
-    return node[name] if isinstance(node, zarr.Group) else node
+    if not isinstance(node, zarr.Group):
+        return node
+    return node[name or MAIN_ARRAYS.get(str(node.attrs.get("kind")), JACOBIAN_ARRAY)]

@@ -20,15 +20,13 @@ from typing import Any
 import numpy as np
 
 from contracts import storage
-from contracts.layout import MANIFEST, RESULT_GROUP, job_url
+from contracts.layout import MAIN_ARRAYS, MANIFEST, RESULT_GROUP, job_url
 from contracts.records import iso_time
 from worker import result_group
 
 log = logging.getLogger(__name__)
 
 MATFREE_KINDS = ("jvp", "vjp", "hvp", "svd", "hessian_eig", "hessian_trace")
-MAIN_ARRAY = {"jvp": "products", "vjp": "products", "hvp": "products", "svd": "S", "hessian_eig": "eigenvalues",
-              "hessian_trace": "trace"}
 BLOCK_BYTES = 32 << 20
 
 
@@ -93,7 +91,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
             "converged": result.converged, "run_seconds": round(seconds, 3), "labels": dict(op.labels),
             "oom_retries": op.oom_retries}
     result_group.seal(group_url, {"plan": plan, **result.attributes(), "created_at": created, "finished_at": finished})
-    main = MAIN_ARRAY[kind]
+    main = MAIN_ARRAYS[kind]
     manifest = {"id": job_id, "uri": group_url, "format": "zarr-v3", "array": main, "kind": kind,
                 "shape": shapes.get(main, []), "dtype": str(np.dtype(op.dtype)), "arrays": shapes, "plan": plan,
                 "of": op.of, "wrt": list(op.axis.names), "wrt_slices": op.axis.slices,

@@ -34,6 +34,37 @@ class ComputingAttempt(Attempt):
                        kind=job.kind.value, mode=job.mode.value, reduce=job.reduce,
                        check_independence=job.check_independence, output_dtype=job.output_dtype, plan=plan)
 
+    def compute_matrix_free(self, record: Any) -> dict[str, Any]:
+        """A matrix-free job (``worker.matfree_job``) with progress in seeds or iterations; returns the manifest."""
+        import time
+
+        from contracts.jobspec import SEEDS_MEMBER
+        from contracts.records import Progress
+        from worker.engine.matfree import build_operator
+        from worker.matfree_job import compute_matfree_to_storage
+        from worker.model_cache import get_model
+
+        job, store = self.job, self.store
+        inputs = load_inputs(job.inputs_uri, settings=self.settings)
+        seeds = inputs.pop(SEEDS_MEMBER, None)
+        model = get_model(check_model_path(job.model.path, self.settings.model_roots), job.model.signature)
+        op = build_operator(model, inputs, of=job.of, wrt=job.wrt, kind=job.kind.value, reduce=job.reduce,
+                            output_dtype=job.output_dtype)
+        started = time.monotonic()
+
+        def on_progress(done: int, total: int | None) -> None:
+            rate = done / max(time.monotonic() - started, 1e-9)
+            store.set_fields(job.id, progress=Progress.of(done, max(total or done, done), rate))
+
+        store.set_fields(job.id, plan={"kind": job.kind.value, "strategy": "matrix-free", "shards": 1})
+        manifest = compute_matfree_to_storage(
+            op, job.kind.value, results_url=job.results_url, job_id=job.id, seeds=seeds, rank=job.rank, tol=job.tol,
+            samples=job.samples, chunk_size=job.chunk_rows, on_progress=on_progress,
+            should_stop=lambda: store.is_cancel_requested(job.id), created_at=record.created_at,
+            manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}})
+        manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
+        return manifest
+
     @property
     def plans(self) -> PlanCache:
         from worker.plan_store import worker_plan_cache

@@ -65,6 +65,8 @@ class JobRun(ComputingAttempt):
 
     def _compute(self, record: JobRecord) -> dict[str, Any]:
         job, store = self.job, self.store
+        if job.kind.matrix_free:
+            return self._succeed(self.compute_matrix_free(record))
         stored = store.shard_plan(job.id)
         if stored is not None and int(stored.get("shards") or 1) > 1:  # an earlier attempt split the job
             return self._fan_out(ShardPlan.from_json(stored))
@@ -90,7 +92,10 @@ class JobRun(ComputingAttempt):
             shards = self._choose_shards(problem, plan)
         if shards > 1:
             return self._split(problem, shards, plan)
-        manifest = compute(job.rows)
+        return self._succeed(compute(job.rows))
+
+    def _succeed(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        job, store = self.job, self.store
         result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
         final_plan = {**(manifest.get("plan") or {}), "shards": 1}
         if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, plan=final_plan):

@@ -1,0 +1,119 @@
+"""The matrix-free kinds through the service: POST (JSON with ``seeds``, ``.npz`` with ``__seeds__``, ``wrt``
+lists), a real rq worker in this process, the status, rows over HTTP and the result group read with xarray;
+values equal to the dense route's (GradientTape, numpy). Refusals at POST name the field."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from tests import models
+from tests.conftest import work_burst
+from tests.engine.reference import tape_hessian, tape_jacobian
+from worker.engine import load_model
+
+pytestmark = pytest.mark.integration
+X = np.random.default_rng(0).normal(size=(3, 5))
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    models.float64_model(root / "f64")
+    return root
+
+
+@pytest.fixture
+def client(worker_env):
+    from app.main import create_app
+
+    worker_env(1 << 20)
+    with TestClient(create_app()) as c:
+        yield c
+
+
+def body(**options) -> dict:
+    return {"model": {"path": "f64"}, "inputs": {"x": {"shape": [3, 5], "dtype": "float64",
+                                                       "data": X.ravel().tolist()}}, **options}
+
+
+def finished(client, redis_conn, job_id: str) -> dict:
+    work_burst(redis_conn)
+    record = client.get(f"/v1/jobs/{job_id}").json()
+    assert record["status"] == "succeeded", record
+    return record
+
+
+def test_svd_and_hessian_kinds_over_http(client, redis_conn, model_root):
+    import xarray as xr
+
+    model = load_model(str(model_root / "f64"))
+    J = tape_jacobian(model, {"x": X}, "y", "x").reshape(12, 15)
+    r = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="svd", rank=2, tol=1e-8))
+    assert r.status_code == 202, r.text
+    record = finished(client, redis_conn, r.json()["id"])
+    assert record["result"]["shape"] == [2] and record["progress"]["fraction"] == 1.0
+    assert record["plan"]["strategy"] == "matrix-free" and record["plan"]["products"]["vjp"] > 0
+    ds = xr.open_zarr(record["result"]["uri"])
+    np.testing.assert_allclose(ds["S"].values, np.linalg.svd(J, compute_uv=False)[:2], rtol=1e-6)
+    rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "0:2"})
+    assert rows.status_code == 200, rows.text
+    np.testing.assert_allclose(np.load(io.BytesIO(rows.content)), ds["S"].values)
+
+    H = tape_hessian(model, {"x": X}, "loss", "x").reshape(15, 15)
+    r = client.post("/v1/jobs", json=body(of="loss", wrt=["x"], kind="hessian_trace", samples=15))
+    trace = xr.open_zarr(finished(client, redis_conn, r.json()["id"])["result"]["uri"])
+    np.testing.assert_allclose(float(trace["trace"]), np.trace(H), rtol=1e-9)
+
+
+def test_products_with_seeds_in_json_and_in_an_npz_over_several_wrt(client, redis_conn, model_root):
+    import xarray as xr
+
+    model = load_model(str(model_root / "f64"))
+    seeds = np.random.default_rng(1).normal(size=(4, 3, 4))
+    r = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="vjp", seeds={
+        "shape": [4, 3, 4], "dtype": "float64", "data": seeds.ravel().tolist()}))
+    assert r.status_code == 202, r.text
+    ds = xr.open_zarr(finished(client, redis_conn, r.json()["id"])["result"]["uri"])
+    J = tape_jacobian(model, {"x": X}, "y", "x").reshape(12, 15)
+    np.testing.assert_allclose(ds["products"].values.reshape(4, 15), seeds.reshape(4, 12) @ J, rtol=1e-10)
+
+    tangents = np.random.default_rng(2).normal(size=(3, 15 + 20))
+    buf = io.BytesIO()
+    np.savez(buf, x=X, __seeds__=tangents)
+    r = client.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"},
+                    params={"model_path": "f64", "of": "y", "wrt": "x,variables/w", "kind": "jvp"})
+    assert r.status_code == 202, r.text
+    record = finished(client, redis_conn, r.json()["id"])
+    ds = xr.open_zarr(record["result"]["uri"])
+    Jw = tape_jacobian(model, {"x": X}, "y", "variables/w").reshape(12, 20)
+    want = tangents @ np.concatenate([J, Jw], axis=1).T
+    np.testing.assert_allclose(ds["products"].values.reshape(3, 12), want, rtol=1e-10, atol=1e-12)
+    assert ds.attrs["wrt"] == ["x", "variables/w"] and ds.attrs["wrt_slices"]["variables/w"]["start"] == 15
+
+
+@pytest.mark.parametrize("options,field", [
+    ({"of": "y", "kind": "jvp"}, "seeds"),                          # products need seeds
+    ({"of": "y", "kind": "svd"}, "rank"),                           # svd needs a rank
+    ({"of": "y", "kind": "hessian_eig", "rank": 2}, "of"),          # a Hessian of a non-scalar output
+    ({"of": "loss", "kind": "hessian_trace", "wrt": ["x", "x"]}, "wrt"),
+    ({"of": "loss", "kind": "hessian_trace", "wrt": ["nope"]}, "wrt"),
+    ({"of": "y", "kind": "jacobian", "wrt": ["x", "variables/w"]}, "wrt"),  # lists: matrix-free kinds only
+    ({"of": "y", "kind": "svd", "rank": 2, "samples": 5}, "samples"),
+])
+def test_refusals_at_post_name_the_field(client, redis_conn, options, field):
+    r = client.post("/v1/jobs", json=body(**options))
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"].startswith(f"{field}:"), r.json()
+
+
+def test_a_bad_rank_found_by_the_worker_fails_the_job_naming_the_field(client, redis_conn):
+    r = client.post("/v1/jobs", json=body(of="y", kind="svd", rank=50))  # min(12, 15) = 12
+    assert r.status_code == 202, r.text
+    work_burst(redis_conn)
+    record = client.get(f"/v1/jobs/{r.json()['id']}").json()
+    assert record["status"] == "failed" and record["error"]["message"].startswith("rank:"), record
