@@ -117,7 +117,8 @@ def _products(op: Any, kind: str, seeds: np.ndarray, group_url: str, dims: dict[
     row_bytes = max(1, int(np.prod(row_shape)) * np.dtype(op.dtype).itemsize)
     block = max(1, min(max(k, 1), BLOCK_BYTES // row_bytes))
     array = group.create_array("products", shape=(k,) + row_shape, chunks=(block,) + row_shape, dtype=op.dtype,
-                               fill_value=0, dimension_names=dims["products"], attributes={"seeds": k})
+                               fill_value=0, dimension_names=dims["products"],
+                               attributes={**_attrs(op, kind), "seeds": k})
 
     def keep(start: int, rows: np.ndarray) -> None:
         array[start:start + len(rows)] = np.asarray(rows, op.dtype).reshape((len(rows),) + row_shape)
@@ -133,8 +134,10 @@ def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str
     """The spectra's arrays (at most ``rank`` vectors): written whole, vectors in the axes' shapes."""
     import zarr
 
-    group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=_attrs(op, kind),
-                              overwrite=True)
+    attrs = _jsonable({**_attrs(op, kind), **result.attributes()})
+    if "stderr" in result.arrays:  # the trace's standard error, for readers of the trace array alone
+        attrs["stderr_value"] = float(np.asarray(result.arrays["stderr"]))
+    group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
     for name, value in result.arrays.items():
         data = np.asarray(value)
         if name in ("V", "eigenvectors") and data.ndim == 2 and len(dims[name]) != 2:
@@ -144,7 +147,8 @@ def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str
         names = dims.get(name) or [f"{name}_{i}" for i in range(data.ndim)]
         if len(names) != data.ndim:
             names = [f"{name}_{i}" for i in range(data.ndim)]
-        array = group.create_array(name, shape=data.shape, dtype=data.dtype, fill_value=0, dimension_names=names)
+        array = group.create_array(name, shape=data.shape, dtype=data.dtype, fill_value=0, dimension_names=names,
+                                   attributes=attrs)
         array[...] = data
 
 

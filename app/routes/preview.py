@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 
@@ -22,6 +23,9 @@ from app.errors import error_responses
 from app.heatmap import MatrixAxis, block_mean, render_heatmap
 from app.job_storage import open_result_at, result_uri
 from app.plots import placeholder
+from app.spectrum import SPECTRAL_KINDS, render_spectrum
+
+PRODUCT_KINDS = ("jvp", "vjp", "hvp")
 
 PNG_MEDIA_TYPE = "image/png"
 CACHE_ENTRIES = 32
@@ -39,6 +43,8 @@ def matrix_axes(kind: str | None, shape: tuple[int, ...], attrs: dict[str, Any])
     """``(batch, row_axes)``: whether axis 0 is the example axis, and how many axes after it are rows
     (the output's; the rest are the ``wrt`` columns)."""
     ndim = len(shape)
+    if kind in PRODUCT_KINDS:  # products: one row per seed, the product's elements across
+        return False, min(1, ndim)
     batch = kind == "batch_jacobian" and ndim >= 1
     lead = 1 if batch else 0
     wrt_shape = attrs.get("wrt_shape")
@@ -61,6 +67,10 @@ def _titles(kind: str, of: str, wrt: str, batch: bool) -> tuple[str, str, str, s
     """``(title, value label, row tensor, column tensor)`` for a result of ``kind``."""
     if kind == "hessian":
         return f"Hessian of {of} with respect to {wrt}", f"∂²{of}/∂{wrt}²", wrt, wrt
+    if kind in PRODUCT_KINDS:
+        product = {"jvp": "J v", "vjp": "vᵀ J", "hvp": "H v"}[kind]
+        across = of if kind == "jvp" else wrt
+        return f"Products {product} of {of} w.r.t. {wrt}", product, "seeds", across
     if batch:
         return f"Batch Jacobian ∂{of}[i]/∂{wrt}[i]", f"∂{of}[i]/∂{wrt}[i]", f"{of}[i]", f"{wrt}[i]"
     name = "Jacobian" if kind == "jacobian" else kind.replace("_", " ").capitalize()
@@ -73,6 +83,11 @@ def render_preview(array: Any, *, kind: str | None, panels: int, size: int,
     attrs = dict(array.attrs)
     shape = tuple(int(d) for d in array.shape)
     kind = str(attrs.get("kind") or kind or "jacobian")
+    if kind in SPECTRAL_KINDS:
+        stderr = attrs.get("stderr_value")
+        return render_spectrum(np.asarray(array[...]), attrs, job_id=job_id, stderr=stderr), {}
+    if isinstance(attrs.get("wrt"), list):
+        attrs["wrt"] = ", ".join(map(str, attrs["wrt"]))
     batch, row_axes = matrix_axes(kind, shape, attrs)
     of, wrt = _label(attrs.get("of")), _label(attrs.get("wrt"))
     if 0 in shape:

@@ -63,6 +63,8 @@ def test_svd_and_hessian_kinds_over_http(client, redis_conn, model_root):
     rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "0:2"})
     assert rows.status_code == 200, rows.text
     np.testing.assert_allclose(np.load(io.BytesIO(rows.content)), ds["S"].values)
+    picture = client.get(f"/v1/jobs/{record['id']}/preview.png")  # the spectrum as a plot
+    assert picture.status_code == 200 and picture.content.startswith(b"\x89PNG"), picture.text[:200]
 
     H = tape_hessian(model, {"x": X}, "loss", "x").reshape(15, 15)
     r = client.post("/v1/jobs", json=body(of="loss", wrt=["x"], kind="hessian_trace", samples=15))
@@ -94,6 +96,8 @@ def test_products_with_seeds_in_json_and_in_an_npz_over_several_wrt(client, redi
     want = tangents @ np.concatenate([J, Jw], axis=1).T
     np.testing.assert_allclose(ds["products"].values.reshape(3, 12), want, rtol=1e-10, atol=1e-12)
     assert ds.attrs["wrt"] == ["x", "variables/w"] and ds.attrs["wrt_slices"]["variables/w"]["start"] == 15
+    picture = client.get(f"/v1/jobs/{record['id']}/preview.png")  # products as a heatmap, seeds down
+    assert picture.status_code == 200 and picture.headers["x-preview-matrix"] == "3x12", picture.headers
 
 
 @pytest.mark.parametrize("options,field", [
