@@ -55,11 +55,12 @@ def hessian_rows(root: Path, *, batch: int, rank: int, samples: int, tol: float)
                      "relative_residuals": _round(eig.residuals / np.abs(eig.arrays["eigenvalues"]), 3),
                      "route": op.labels.get("hvp")})
         print(rows[-1], flush=True)
-    for method in ("hutch++", "hutchinson"):
+    for method in ("auto", "hutch++", "hutchinson"):
         t0 = time.perf_counter()
         trace = hessian_trace(op, samples, method=method, seed=1)
         rows.append({"what": f"hessian_trace {method}, {samples} samples", "s": round(time.perf_counter() - t0, 2),
-                     "hvps": trace.products["hvp"], "trace": round(float(trace.arrays["trace"]), 5),
+                     "hvps": trace.products["hvp"], "method": trace.method,
+                     "trace": round(float(trace.arrays["trace"]), 5),
                      "stderr": round(float(trace.arrays["stderr"]), 5)})
         print(rows[-1], flush=True)
     return rows

@@ -411,10 +411,13 @@ def test_run_products_result(built):
     from worker.engine.matfree import run_products
 
     op = built(CASES[1]).op   # wrt variables/w0: (6, 8)
-    calls = []
+    calls, chunks = [], []
     result = run_products(op, "vjp", np.ones((3,) + op.of_shape), chunk_size=2,
-                          progress=lambda i, total: calls.append((i, total)))
+                          progress=lambda i, total: calls.append((i, total)),
+                          on_chunk=lambda start, rows: chunks.append((start, rows)))
     assert result.arrays["products"].shape == (3, 6, 8) and calls == [(2, 3), (3, 3)]
+    assert [(s, r.shape, r.dtype) for s, r in chunks] == [(0, (2, 6, 8), np.float64), (2, (1, 6, 8), np.float64)]
+    np.testing.assert_array_equal(np.concatenate([r for _, r in chunks]), result.arrays["products"])
     assert result.products["vjp"] == 3 and result.method == "reverse/vectorized"
     json.dumps(result.attributes())
 
@@ -511,8 +514,10 @@ def test_pure_rules_need_no_tensorflow():
     tree = ast.parse(Path(matfree_rules.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "math", "collections.abc", "contracts.rules"}
+    assert imported <= {"__future__", "math", "numbers", "collections.abc", "contracts.rules"}
     assert matfree_rules.check_rank("svd", 3, of_size=3, wrt_size=10) == 3
+    assert matfree_rules.check_rank("hessian_eig", np.int64(4), of_size=1, wrt_size=10) == 4
+    assert matfree_rules.check_tol(np.float32(1e-3)) == pytest.approx(1e-3)
     assert matfree_rules.check_seeds("jvp", (2, 10), of_shape=(3,), wrt_shape=(2, 5)) == 2
     with pytest.raises(RuleViolation):
         matfree_rules.check_rank("svd", 4, of_size=3, wrt_size=10)

@@ -102,6 +102,7 @@ class Operator:
         self.counts = {"jvp": 0, "vjp": 0, "hvp": 0, "checks": 0}
         self.labels: dict[str, str] = {}      # per kind: the label chosen by its first call
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
+        self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
 
     @property
@@ -159,8 +160,10 @@ class Operator:
         chunk; ``should_stop()`` is asked before each and raises ``Stopped``."""
         seeds = np.ascontiguousarray(seeds, dtype=self.compute_dtype)
         total = len(seeds)
+        if total == 0:
+            return np.empty((0, self.n_of if kind == "jvp" else self.n_wrt), self.compute_dtype)
         step = max(1, min(chunk_size or total, total))
-        out: np.ndarray | None = None
+        out = np.empty(0)
         start = 0
         while start < total:
             if should_stop is not None and should_stop():
@@ -176,14 +179,13 @@ class Operator:
                                                "device memory", field="memory_budget_bytes") from err
                 step, self.oom_retries = n // 2, self.oom_retries + 1
                 continue
-            if out is None:
+            if start == 0:
                 out = np.empty((total,) + rows.shape[1:], rows.dtype)
             out[start:start + n] = rows
             self.counts[kind] += n
             if on_chunk is not None:
                 on_chunk(start, rows)
             start += n
-        assert out is not None
         return out
 
     def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
@@ -211,7 +213,9 @@ class Operator:
         """The first call of ``kind``: its seeds and a probe row through each candidate label until one runs and
         its probe row agrees with the eager reverse-mode reference; that label is kept."""
         probe = np.random.default_rng(PROBE_SEED).standard_normal((1, seeds.shape[1])).astype(self.compute_dtype)
-        reference = self._reference(kind, probe)
+        if kind not in self._references:   # kept: a first call that runs out of memory comes back here, halved
+            self._references[kind] = self._reference(kind, probe)
+        reference = self._references[kind]
         batch = np.concatenate([seeds, probe])
         for label in self.candidates(kind):
             try:
@@ -305,16 +309,18 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
                  progress: Callable[[int, int | None], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
                  on_chunk: Callable[[int, np.ndarray], None] | None = None) -> MatFreeResult:
-    """Kind ``jvp``, ``vjp`` or ``hvp`` as a result: ``products`` (``(k,) + of.shape`` for ``jvp``, ``(k,) +
-    wrt.shape`` otherwise); ``progress(seeds done, k)`` after each chunk, ``on_chunk(start, flat rows)``."""
+    """Kind ``jvp``, ``vjp`` or ``hvp`` as a result: ``products`` in ``op.dtype``, ``(k,) + of.shape`` for ``jvp``,
+    ``(k,) + wrt.shape`` otherwise (``WrtAxis.shape``). ``on_chunk(start, rows)`` gets each chunk's rows in that
+    layout and dtype as they come (for storage), then ``progress(seeds done, k)`` is called."""
     if kind not in matfree_rules.PRODUCT_KINDS:
         raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
     k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)
+    row_shape = op.of_shape if kind == "jvp" else op.axis.shape
 
     def chunk(start: int, rows: np.ndarray) -> None:
         if on_chunk is not None:
-            on_chunk(start, rows)
+            on_chunk(start, rows.astype(op.dtype).reshape((len(rows),) + row_shape))
         if progress is not None:
             progress(start + len(rows), k)
 

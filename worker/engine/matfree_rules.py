@@ -18,6 +18,7 @@ naming the fix, as the rest of the rulebook does: the engine turns them into ``I
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 from contracts.rules import RuleViolation, check_hessian, fmt_shape
@@ -34,7 +35,7 @@ MIN_HUTCHPP_SAMPLES = 6
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_rank(kind: str, rank: object, *, of_size: int, wrt_size: int) -> int:
@@ -60,7 +61,7 @@ def check_tol(tol: object) -> float:
     """``tol``: the relative accuracy of singular values or eigenvalues, in ``(0, 0.5)``; None: the default."""
     if tol is None:
         return DEFAULT_TOL
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or not 0 < tol < 0.5:
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not math.isfinite(tol) or not 0 < tol < 0.5:
         raise RuleViolation(f"tol: must be a relative accuracy between 0 and 0.5 (exclusive), got {tol!r}; "
                             f"the default is {DEFAULT_TOL}", field="tol")
     return float(tol)
