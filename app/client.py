@@ -157,10 +157,15 @@ class JacobianClient:
                idempotency_key: str | None = None, **options: Any) -> str:
         """Queue a job; returns its id. ``inputs`` go as an ``.npz`` body; ``options`` are the job
         options (``of``, ``wrt``, ``kind``, ``mode``, ``memory_budget_bytes``, ``reduce``,
-        ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``, ``precision``); ``None`` values are
-        left out."""
+        ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``, ``precision``; the matrix-free
+        kinds' ``rank``, ``tol``, ``samples`` and ``seeds``, an array sent as the member ``__seeds__``; ``wrt``
+        may be a list); ``None`` values are left out."""
+        arrays = {name: np.asarray(value) for name, value in inputs.items()}
+        seeds = options.pop("seeds", None)
+        if seeds is not None:  # jvp, vjp, hvp: the .npz member the API takes seeds from
+            arrays["__seeds__"] = np.asarray(seeds)
         buf = io.BytesIO()
-        np.savez(buf, **{name: np.asarray(value) for name, value in inputs.items()})
+        np.savez(buf, **arrays)
         return self.submit_npz(model_path, buf.getvalue(), signature=signature, idempotency_key=idempotency_key,
                                **options)
 
@@ -173,6 +178,8 @@ class JacobianClient:
                 continue
             if isinstance(value, bool):
                 value = "true" if value else "false"
+            elif isinstance(value, (list, tuple)):  # several wrt: comma-separated in the query
+                value = ",".join(map(str, value))
             params[name] = str(getattr(value, "value", value))
         # A key of our own makes retrying the POST after a dropped connection safe: same key, same job.
         key = idempotency_key or f"client-{uuid.uuid4().hex}"

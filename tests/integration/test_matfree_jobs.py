@@ -121,3 +121,20 @@ def test_a_bad_rank_found_by_the_worker_fails_the_job_naming_the_field(client, r
     work_burst(redis_conn)
     record = client.get(f"/v1/jobs/{r.json()['id']}").json()
     assert record["status"] == "failed" and record["error"]["message"].startswith("rank:"), record
+
+
+def test_the_python_client_sends_seeds_and_several_wrt(client, redis_conn, model_root):
+    from app.client import JacobianClient
+
+    model = load_model(str(model_root / "f64"))
+    seeds = np.random.default_rng(3).normal(size=(2, 3, 4))
+    with JacobianClient("http://testserver", transport=client._transport) as jc:
+        job_id = jc.submit("f64", {"x": X}, of="y", wrt=["x", "variables/w"], kind="vjp", seeds=seeds)
+        work_burst(redis_conn)
+        assert jc.job(job_id).status.value == "succeeded"
+        ds = jc.result(job_id, as_xarray=True)
+        lazy = jc.result(job_id)  # the kind's main array, products
+    J = np.concatenate([tape_jacobian(model, {"x": X}, "y", "x").reshape(12, 15),
+                        tape_jacobian(model, {"x": X}, "y", "variables/w").reshape(12, 20)], axis=1)
+    np.testing.assert_allclose(ds["products"].values, seeds.reshape(2, 12) @ J, rtol=1e-10, atol=1e-12)
+    assert lazy.shape == (2, 35)
