@@ -6,11 +6,13 @@ and ``manifest.json`` written last, as for the dense kinds (``worker.pipeline``)
 Arrays (DESIGN.md, "Storage"): ``products`` ``(seed,) + of`` (jvp) or ``(seed,) + wrt``; ``S (k,)``, ``U (k,) +
 of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d). The
 ``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt`` axis for several (``wrt_slices`` in the
-group's attributes says where each lies). A run starts over when retried (products are not resumed by block).
+group's attributes says where each lies). Products are written block by block with commit markers (a retried
+job computes only the blocks not committed); the spectra start over when retried.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -49,24 +51,25 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                                on_progress: Callable[[int, int | None], None] | None = None,
                                should_stop: Callable[[], bool] | None = None,
                                manifest_fields: dict[str, Any] | None = None,
-                               created_at: float | None = None) -> dict[str, Any]:
+                               created_at: float | None = None, block_bytes: int | None = None) -> dict[str, Any]:
     """Run ``kind`` on ``op`` (``worker.engine.matfree.build_operator``) and store it; returns the manifest.
-    ``on_progress(done, total)``: seeds done (products) or iterations (spectra). Raises ``EngineError``
+    ``on_progress(done, total)``: seeds done (products) or iterations (spectra); ``block_bytes``: the products'
+    storage blocks (default 32 MiB), the unit a retried job resumes from. Raises ``EngineError``
     (``Stopped`` on cancel, ``InvalidRequest`` naming ``seeds``, ``rank``, ``tol``, ``samples``)."""
     from worker.engine import spectra
     from worker.engine.matfree import run_products
 
     base = storage.normalize(job_url(results_url, job_id))
     group_url = storage.join(base, RESULT_GROUP)
-    storage.delete_prefix(group_url)
     dims = dimension_names(op, kind)
     t0 = time.monotonic()
     if kind in ("jvp", "vjp", "hvp"):
         if seeds is None:
             raise _missing("seeds", kind)
-        result = _products(op, kind, np.asarray(seeds), group_url, dims, chunk_size, on_progress, should_stop,
-                           run_products)
+        result = _products(op, kind, np.asarray(seeds), results_url, job_id, dims, chunk_size, on_progress,
+                           should_stop, run_products, block_bytes)
     else:
+        storage.delete_prefix(group_url)
         if kind == "svd":
             result = spectra.svd(op, _required(rank, "rank", kind), tol=tol, chunk_size=chunk_size,
                                  progress=on_progress, should_stop=should_stop)
@@ -105,27 +108,53 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     return manifest
 
 
-def _products(op: Any, kind: str, seeds: np.ndarray, group_url: str, dims: dict[str, list[str]],
-              chunk_size: int | None, on_progress: Any, should_stop: Any, run_products: Any) -> Any:
-    """Products streamed into the ``products`` array chunk by chunk (never all held twice)."""
-    import zarr
+def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: str, dims: dict[str, list[str]],
+              chunk_size: int | None, on_progress: Any, should_stop: Any, run_products: Any,
+              block_bytes: int | None) -> Any:
+    """Products streamed into the ``products`` array by a ``ResultWriter`` (one commit marker per storage block
+    of seeds): a retried job computes only the seeds of blocks not committed yet."""
+    from contracts.layout import ResultLayout
+    from worker.engine.errors import Stopped
+    from worker.storage import ResultWriter
 
     row_shape = tuple(op.of_shape) if kind == "jvp" else tuple(op.axis.shape)
     k = int(seeds.shape[0]) if seeds.ndim else 0
-    group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=_attrs(op, kind),
-                              overwrite=True)
-    row_bytes = max(1, int(np.prod(row_shape)) * np.dtype(op.dtype).itemsize)
-    block = max(1, min(max(k, 1), BLOCK_BYTES // row_bytes))
-    array = group.create_array("products", shape=(k,) + row_shape, chunks=(block,) + row_shape, dtype=op.dtype,
-                               fill_value=0, dimension_names=dims["products"],
-                               attributes={**_attrs(op, kind), "seeds": k})
+    dtype = np.dtype(op.dtype)
+    layout = ResultLayout(shape=(k,) + row_shape, iter_start=0, iter_stop=1, itemsize=dtype.itemsize,
+                          block_bytes=block_bytes or BLOCK_BYTES)
+    attrs = {**_attrs(op, kind), "dimension_names": dims["products"], "seeds": k}
+    result, spent = None, dict.fromkeys(("jvp", "vjp", "hvp", "checks"), 0)
+    writer = ResultWriter(results_url, job_id, layout=layout, dtype=dtype, attrs=attrs, array="products",
+                          block_bytes=block_bytes)
+    try:
+        done = writer.rows_committed
+        for start, stop in writer.pending_ranges():
+            def keep(offset: int, rows: np.ndarray, start: int = start) -> None:
+                writer.write_rows(start + offset, np.asarray(rows, dtype).reshape((len(rows),) + row_shape))
 
-    def keep(start: int, rows: np.ndarray) -> None:
-        array[start:start + len(rows)] = np.asarray(rows, op.dtype).reshape((len(rows),) + row_shape)
+            def progress(seeds_done: int, _total: int | None, before: int = done) -> None:
+                if on_progress is not None:
+                    on_progress(before + seeds_done, k)
 
-    result = run_products(op, kind, seeds, chunk_size=chunk_size, progress=on_progress, should_stop=should_stop,
-                          on_chunk=keep)
-    result.arrays = {}  # stored already, chunk by chunk
+            result = run_products(op, kind, seeds[start:stop], chunk_size=chunk_size, progress=progress,
+                                  should_stop=should_stop, on_chunk=keep)
+            spent = {name: spent.get(name, 0) + count for name, count in result.products.items()}
+            done += stop - start
+        writer.close()
+    except Stopped:  # canceled: the whole blocks computed so far are right, keep them for a resumed job
+        with contextlib.suppress(ValueError):  # the block half filled at the stop is dropped
+            writer.close()
+        raise
+    except BaseException:
+        writer.abort()
+        raise
+    if result is None:  # every block committed by an earlier attempt
+        from worker.engine.matfree import MatFreeResult
+
+        result = MatFreeResult(kind=kind, method="resumed: every block stored before", arrays={}, products={},
+                               iterations=0, attrs={"seeds": k})
+    result.products = spent
+    result.arrays = {}  # stored already, block by block
     result.attrs["stored_shapes"] = {"products": [k, *row_shape]}
     return result
 

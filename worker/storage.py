@@ -83,7 +83,7 @@ class ResultWriter:
     def __init__(self, results_url: str, job_id: str, *, layout: ResultLayout, dtype: Any,
                  attrs: dict[str, Any] | None = None, rows: tuple[int, int] | None = None,
                  block_bytes: int | None = None, retry: RetryPolicy | None = None,
-                 queue_blocks: int = 2, create: bool = True) -> None:
+                 queue_blocks: int = 2, create: bool = True, array: str = JACOBIAN_ARRAY) -> None:
         if block_bytes is not None:
             layout = replace(layout, block_bytes=block_bytes)
         self.layout = layout
@@ -94,7 +94,8 @@ class ResultWriter:
         self.job_id = job_id
         self.job_url = storage.normalize(job_url(results_url, job_id))
         self.group_url = storage.join(self.job_url, RESULT_GROUP)
-        self.array_url = storage.join(self.group_url, JACOBIAN_ARRAY)
+        self.array_name = array  # in the group: ``jacobian``; ``products`` for the product kinds
+        self.array_url = storage.join(self.group_url, array)
         self.committed_url = storage.join(self.job_url, COMMITTED_DIR)
         self.manifest_url = storage.join(self.job_url, MANIFEST)
         self.retry = retry or self.default_retry
@@ -274,7 +275,7 @@ class ResultWriter:
 
     def manifest_base(self) -> dict[str, Any]:
         """The manifest fields the writer knows: id, uri, shape, dtype, chunks, rows."""
-        return {"id": self.job_id, "uri": self.uri, "format": "zarr-v3", "array": JACOBIAN_ARRAY,
+        return {"id": self.job_id, "uri": self.uri, "format": "zarr-v3", "array": self.array_name,
                 "shape": list(self.layout.shape),
                 "dtype": self.dtype.name, "chunks": list(self.layout.chunks),
                 "iter_axes": [self.layout.iter_start, self.layout.iter_stop],
@@ -331,7 +332,7 @@ class ResultWriter:
         storage.delete_prefix(self.committed_url)
         storage.delete_prefix(self.group_url)
         self._committed = set()
-        return result_group.create(self.group_url, attrs=self.attrs, array=JACOBIAN_ARRAY, shape=shape,
+        return result_group.create(self.group_url, attrs=self.attrs, array=self.array_name, shape=shape,
                                    chunks=chunks, dtype=self.dtype)
 
     def _open_existing(self) -> Any:

@@ -61,6 +61,7 @@ class ComputingAttempt(Attempt):
             op, job.kind.value, results_url=job.results_url, job_id=job.id, seeds=seeds, rank=job.rank, tol=job.tol,
             samples=job.samples, chunk_size=job.chunk_rows, on_progress=on_progress,
             should_stop=lambda: store.is_cancel_requested(job.id), created_at=record.created_at,
+            block_bytes=self.settings.block_bytes,
             manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}})
         manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
         return manifest
