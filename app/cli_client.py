@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-KINDS = ("jacobian", "batch_jacobian", "hessian")
+KINDS = ("jacobian", "batch_jacobian", "hessian", "jvp", "vjp", "hvp", "svd", "hessian_eig", "hessian_trace")
 MODES = ("auto", "reverse", "forward")
 STATUSES = ("queued", "running", "succeeded", "failed", "canceled")
 
@@ -59,11 +59,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
         body = path.read_bytes()
     except OSError as exc:
         return _fail("InvalidRequest", f"--input: cannot read {str(path)!r} ({exc.strerror or exc}); give an .npz file")
+    if args.seeds:
+        try:
+            body = _with_seeds(body, args.seeds)
+        except (OSError, ValueError) as exc:
+            return _fail("InvalidRequest", f"--seeds: cannot add {args.seeds!r} to the inputs ({exc}); give a .npy "
+                         "file written by numpy.save and an .npz of inputs")
     options = {"of": args.of, "wrt": args.wrt, "kind": args.kind, "mode": args.mode,
                "memory_budget_bytes": args.memory_budget, "reduce": args.reduce,
                "check_independence": True if args.check_independence else None,
                "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards,
-               "precision": args.precision}
+               "precision": args.precision, "rank": args.rank, "tol": args.tol, "samples": args.samples}
     with _client(args) as client:
         try:
             job_id = client.submit_npz(args.model, body, signature=args.signature,
@@ -74,6 +80,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not args.wait:
             return 0
         return _wait(client, job_id, args, JacobianError, JobFailed)
+
+
+def _with_seeds(npz_body: bytes, seeds_path: str) -> bytes:
+    """The inputs ``.npz`` with the seeds (a ``.npy``) added as the member ``__seeds__``."""
+    import io
+
+    import numpy as np
+
+    with np.load(io.BytesIO(npz_body), allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    arrays["__seeds__"] = np.load(seeds_path, allow_pickle=False)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
 
 
 def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, failed_cls: type) -> int:
@@ -261,7 +281,8 @@ def register(sub: Any) -> None:
     p.add_argument("--input", required=True, metavar="FILE.npz", help="the inputs, one array per signature input")
     p.add_argument("--signature", default="serving_default")
     p.add_argument("--of", help="output name (default: the only output)")
-    p.add_argument("--wrt", help="input name or variables/<name> (default: the only float input)")
+    p.add_argument("--wrt", help="input name or variables/<name> (default: the only float input); the matrix-free "
+                   "kinds: several comma-separated, or variables/*")
     p.add_argument("--kind", choices=KINDS)
     p.add_argument("--mode", choices=MODES)
     p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
@@ -276,6 +297,9 @@ def register(sub: Any) -> None:
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar on stderr")
     _waiting(p)
     _common(p)
+    from app.cli_matfree import add_arguments as add_matfree_arguments
+
+    add_matfree_arguments(p)
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="a job's status, progress, plan and result as JSON")

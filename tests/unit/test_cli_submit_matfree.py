@@ -1,0 +1,56 @@
+"""``jacobian submit`` for the matrix-free kinds against a fake API: ``--seeds`` travels as the member
+``__seeds__`` of the .npz body, ``--rank``/``--tol``/``--samples`` and comma-separated ``--wrt`` as query
+parameters."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import numpy as np
+import pytest
+
+from app import cli, cli_client
+from app.client import JacobianClient
+
+JOB = "d" * 32
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
+    requests: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return httpx.Response(202, json={"id": JOB, "status": "queued"})
+
+    monkeypatch.setattr(cli_client, "_client",
+                        lambda args: JacobianClient("http://api", transport=httpx.MockTransport(handler)))
+    return requests
+
+
+def test_submit_sends_seeds_in_the_npz_and_the_options_as_query(seen, tmp_path, capsys):
+    x = np.ones((3, 5))
+    seeds = np.arange(2 * 12, dtype=np.float64).reshape(2, 3, 4)
+    np.savez(tmp_path / "in.npz", x=x)
+    np.save(tmp_path / "seeds.npy", seeds)
+    code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--of", "y", "--wrt",
+                     "x,variables/w", "--kind", "vjp", "--seeds", str(tmp_path / "seeds.npy")])
+    assert code == 0 and capsys.readouterr().out == f"{JOB}\n"
+    request = seen[0]
+    assert request.url.params["kind"] == "vjp" and request.url.params["wrt"] == "x,variables/w"
+    with np.load(io.BytesIO(request.content)) as npz:
+        np.testing.assert_array_equal(npz["__seeds__"], seeds)
+        np.testing.assert_array_equal(npz["x"], x)
+    code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--of", "y", "--kind",
+                     "svd", "--rank", "3", "--tol", "1e-6"])
+    assert code == 0
+    assert (seen[1].url.params["rank"], seen[1].url.params["tol"]) == ("3", "1e-06")
+    assert "__seeds__" not in np.load(io.BytesIO(seen[1].content)).files
+
+
+def test_unreadable_seeds_are_refused_naming_the_option(seen, tmp_path, capsys):
+    np.savez(tmp_path / "in.npz", x=np.ones((3, 5)))
+    code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--kind", "jvp",
+                     "--seeds", str(tmp_path / "missing.npy")])
+    assert code == 2 and "--seeds:" in capsys.readouterr().err and not seen
