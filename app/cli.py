@@ -345,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
+    # httpx logs every request at INFO: never the CLI's output, whatever logging the process set up before
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     problem = missing_extras(getattr(args, "needs", ()))
     if problem:
         print(f"error: MissingDependency: jacobian {args.command} {problem}", file=sys.stderr, flush=True)
