@@ -38,10 +38,10 @@ def render_spectrum(values: np.ndarray, attrs: dict[str, Any], *, job_id: str | 
     if residuals.size and np.isfinite(residuals).any():
         footer += f": largest {np.nanmax(residuals):.2g}"
     fig = new_figure(6.4, 3.8, title=title, subtitle=subtitle, footer=footer)
-    ax = add_axes_in(fig, 0.9, 0.8, fig.get_figwidth() - 1.3, 2.2)
+    ax = add_axes_in(fig, 1.15, 0.8, fig.get_figwidth() - 1.55, 2.2)
     k = np.arange(1, len(values) + 1)
     ax.plot(k, values, "o-", color="#b2182b", markersize=5, linewidth=1.2)
-    if kind == "svd" and (values > 0).all():
+    if kind == "svd" and (values > 0).all() and values.max() > 10 * values.min():  # a log axis when they span decades
         ax.set_yscale("log")
     else:
         ax.axhline(0.0, color=MUTED, linewidth=0.8)
