@@ -25,9 +25,9 @@ def cmd_compute_matfree(args: argparse.Namespace) -> int:
     from app.progress import RowProgress
     from contracts import storage
     from contracts.settings import get_settings
-    from worker.engine import EngineError
+    from worker.engine import EngineError, TFMemoryProbe
     from worker.engine.matfree import build_operator
-    from worker.inputs import InvalidInputs, load_inputs
+    from worker.inputs import InvalidInputs, effective_budget, load_inputs
     from worker.matfree_job import compute_matfree_to_storage
     from worker.model_cache import get_model
 
@@ -41,6 +41,7 @@ def cmd_compute_matfree(args: argparse.Namespace) -> int:
         wrt = args.wrt[0] if args.wrt and len(args.wrt) == 1 else args.wrt
         op = build_operator(model, inputs, of=args.of, wrt=wrt, kind=args.kind, reduce=args.reduce,
                             output_dtype=args.output_dtype)
+        op.plan_memory(TFMemoryProbe(), effective_budget(args.memory_budget, settings.memory_budget_bytes))
         print(f"job {job_id}: {args.kind} of {op.of} w.r.t. {', '.join(op.axis.names)} ({op.n_of} x {op.n_wrt})",
               file=sys.stderr, flush=True)
         manifest = compute_matfree_to_storage(

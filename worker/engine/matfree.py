@@ -47,6 +47,7 @@ from worker.engine.products import body
 from worker.engine.wrt_axis import WrtAxis, wrt_axis
 
 ROUTES = {"jvp": ("forward", "reverse"), "vjp": ("reverse",), "hvp": ("forward", "reverse")}
+FIRST_SEEDS = 8          # the first call of a kind whose seeds per call are planned from memory: its peak measured
 PROBE_SEED = 20240611   # the random probe row of a kind's first call
 
 
@@ -104,6 +105,16 @@ class Operator:
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
         self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
+        # Planning chunks of seeds from memory (``plan_memory``): the probe, the budget, what was planned.
+        self.probe: Any = None
+        self.budget_bytes: int | None = None
+        self.planned: dict[str, int] = {}   # per kind: seeds per call, from the first chunk's measured peak
+
+    def plan_memory(self, probe: Any, budget_bytes: int | None = None) -> None:
+        """Plan seeds per call from memory when the caller gives no chunk size: the first call of a kind runs
+        ``FIRST_SEEDS`` seeds and its peak (``probe``, a ``worker.engine.MemoryProbe``) sets the rest, to peak
+        within ``SAFETY`` of the free memory (or ``budget_bytes``); out-of-memory still halves."""
+        self.probe, self.budget_bytes = probe, budget_bytes
 
     @property
     def n_of(self) -> int:
@@ -162,7 +173,8 @@ class Operator:
         total = len(seeds)
         if total == 0:
             return np.empty((0, self.n_of if kind == "jvp" else self.n_wrt), self.compute_dtype)
-        step = max(1, min(chunk_size or total, total))
+        planning = chunk_size is None and self.probe is not None and total > FIRST_SEEDS
+        step = max(1, min(chunk_size or self.planned.get(kind) or (FIRST_SEEDS if planning else total), total))
         out = np.empty(0)
         start = 0
         while start < total:
@@ -170,7 +182,11 @@ class Operator:
                 raise Stopped("canceled between chunks", field=None)
             n = min(step, total - start)
             try:
-                rows = self._call(kind, seeds[start:start + n])
+                if planning and kind not in self.planned:
+                    rows = self._measured_call(kind, seeds[start:start + n], total)
+                    step = self.planned[kind]
+                else:
+                    rows = self._call(kind, seeds[start:start + n])
             except Exception as err:  # noqa: BLE001 - out of memory halves the chunk; anything else is raised
                 if not is_out_of_memory(err):
                     raise
@@ -187,6 +203,20 @@ class Operator:
                 on_chunk(start, rows)
             start += n
         return out
+
+    def _measured_call(self, kind: str, seeds: np.ndarray, total: int) -> np.ndarray:
+        """``_call`` with its peak read: seeds per call for the rest of ``kind``'s products (``planned``)."""
+        from worker.engine.chunk_run import SAFETY
+
+        limit = int(self.probe.free_bytes())
+        if self.budget_bytes is not None:
+            limit = min(limit, int(self.budget_bytes))
+        self.probe.reset_peak()
+        rows = self._call(kind, seeds)
+        peak = int(self.probe.peak_bytes())
+        per_seed = peak / max(1, len(seeds))
+        self.planned[kind] = total if per_seed <= 0 else max(1, min(total, int(SAFETY * limit / per_seed)))
+        return rows
 
     def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
         label = self.labels.get(kind)

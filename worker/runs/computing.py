@@ -50,6 +50,7 @@ class ComputingAttempt(Attempt):
         model = get_model(check_model_path(job.model.path, self.settings.model_roots), job.model.signature)
         op = build_operator(model, inputs, of=job.of, wrt=job.wrt, kind=job.kind.value, reduce=job.reduce,
                             output_dtype=job.output_dtype)
+        op.plan_memory(self.probe, effective_budget(job.memory_budget_bytes, self.settings.memory_budget_bytes))
         started = time.monotonic()
 
         def on_progress(done: int, total: int | None) -> None:
