@@ -18,7 +18,7 @@ import numpy as np
 
 from app.errors import InvalidRequest, NonFiniteInput, SignatureMismatch
 from contracts import rules
-from contracts.jobspec import SEEDS_MEMBER, JobOptions, Kind
+from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, PRODUCT_KINDS, SEEDS_MEMBER, JobOptions, Kind
 from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
 
 
@@ -156,15 +156,14 @@ def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[st
                                  field="wrt")
     else:
         wrt = resolve_wrt(options.wrt, sig, variables)
-    if kind in ("hvp", "hessian_eig", "hessian_trace"):
+    if kind in MATRIX_FREE_HESSIAN_KINDS:
         with _as_signature_mismatch():
             rules.check_hessian(of, sig.outputs[of].shape, options.reduce, outputs=sig.outputs)
-    products = ("jvp", "vjp", "hvp")
-    if kind in products and seeds is None:
+    if kind in PRODUCT_KINDS and seeds is None:
         along = "(k,) + of.shape (cotangents)" if kind == "vjp" else "(k,) + wrt.shape (tangents)"
         raise InvalidRequest(f"seeds: kind {kind!r} needs seeds of shape {along}: the JSON field 'seeds', or the "
                              f"member {SEEDS_MEMBER!r} of the .npz", field="seeds")
-    if kind not in products and seeds is not None:
-        raise InvalidRequest(f"seeds: only the product kinds ({', '.join(products)}) take seeds; remove them",
+    if kind not in PRODUCT_KINDS and seeds is not None:
+        raise InvalidRequest(f"seeds: only the product kinds ({', '.join(PRODUCT_KINDS)}) take seeds; remove them",
                              field="seeds")
     return of, wrt

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from app.cli_matfree import MATFREE_KINDS
 from app.cli_matfree import add_arguments as add_matfree_arguments
+from contracts.jobspec import MATRIX_FREE_KINDS as MATFREE_KINDS
 
 _STARTED = time.perf_counter()
 KINDS = ("jacobian", "batch_jacobian", "hessian")

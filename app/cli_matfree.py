@@ -9,8 +9,6 @@ import sys
 import uuid
 from pathlib import Path
 
-MATFREE_KINDS = ("jvp", "vjp", "hvp", "svd", "hessian_eig", "hessian_trace")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The matrix-free kinds' options of ``jacobian compute``."""

@@ -334,13 +334,13 @@ def open_zarr(uri: str, name: str | None = None) -> Any:
     group layout) as it is. ``s3://`` through fsspec."""
     import zarr
 
-    from contracts.layout import JACOBIAN_ARRAY, MAIN_ARRAYS
+    from contracts.layout import main_array
 
     path, options = _store_args(uri)
     node = zarr.open(path, mode="r", storage_options=options)
     if not isinstance(node, zarr.Group):
         return node
-    return node[name or MAIN_ARRAYS.get(str(node.attrs.get("kind")), JACOBIAN_ARRAY)]
+    return node[name or main_array(node.attrs.get("kind"))]
 
 
 def open_xarray(uri: str) -> Any:

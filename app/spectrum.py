@@ -10,8 +10,6 @@ import numpy as np
 
 from app.plots import INK, MUTED, add_axes_in, figure_to_png, new_figure
 
-SPECTRAL_KINDS = ("svd", "hessian_eig", "hessian_trace")
-
 
 def render_spectrum(values: np.ndarray, attrs: dict[str, Any], *, job_id: str | None = None,
                     stderr: float | None = None) -> bytes:

@@ -37,7 +37,10 @@ class Kind(str, Enum):
         return self.value in MATRIX_FREE_KINDS
 
 
-MATRIX_FREE_KINDS = ("jvp", "vjp", "hvp", "svd", "hessian_eig", "hessian_trace")
+PRODUCT_KINDS = ("jvp", "vjp", "hvp")                       # products of seeds
+SPECTRAL_KINDS = ("svd", "hessian_eig", "hessian_trace")    # spectra
+MATRIX_FREE_KINDS = PRODUCT_KINDS + SPECTRAL_KINDS
+MATRIX_FREE_HESSIAN_KINDS = ("hvp", "hessian_eig", "hessian_trace")  # need a scalar of (or reduce="sum")
 SEEDS_MEMBER = "__seeds__"  # the seeds' name in an .npz body, in inputs_uri and in the stored inputs.npz
 
 

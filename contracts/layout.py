@@ -20,6 +20,11 @@ RESULT_ARRAY = f"{RESULT_GROUP}/{JACOBIAN_ARRAY}"  # its path under the job fold
 # The array rows are read from (GET .../result?rows=, preview.png), by kind; the dense kinds' is ``jacobian``.
 MAIN_ARRAYS = {"jvp": "products", "vjp": "products", "hvp": "products", "svd": "S", "hessian_eig": "eigenvalues",
                "hessian_trace": "trace"}
+
+
+def main_array(kind: object) -> str:
+    """The array of a result group that rows are read from, for its ``kind`` attribute."""
+    return MAIN_ARRAYS.get(str(kind), JACOBIAN_ARRAY)
 MANIFEST = "manifest.json"
 INPUTS = "inputs.npz"
 COMMITTED_DIR = "committed"

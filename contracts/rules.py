@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from contracts.jobspec import DIFFERENTIABLE_DTYPES, STORABLE_DTYPES
+from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS as MATRIX_FREE_HESSIAN_KINDS  # the rulebook's, re-exported
 from contracts.savedmodel import VARIABLE_PREFIX, Shape, strip_variable_suffix
 
 KINDS = ("jacobian", "batch_jacobian", "hessian")

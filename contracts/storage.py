@@ -300,9 +300,9 @@ def open_result(url: str, name: str | None = None) -> zarr.Array:
     the group layout, ``{job}/jacobian.zarr``) is returned as it is."""
     import zarr
 
-    from contracts.layout import JACOBIAN_ARRAY, MAIN_ARRAYS
+    from contracts.layout import main_array
 
     node = zarr.open(store=zarr_store(url, read_only=True), mode="r")
     if not isinstance(node, zarr.Group):
         return node
-    return node[name or MAIN_ARRAYS.get(str(node.attrs.get("kind")), JACOBIAN_ARRAY)]
+    return node[name or main_array(node.attrs.get("kind"))]

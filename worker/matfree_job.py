@@ -22,13 +22,14 @@ from typing import Any
 import numpy as np
 
 from contracts import storage
+from contracts.jobspec import MATRIX_FREE_KINDS, PRODUCT_KINDS
 from contracts.layout import MAIN_ARRAYS, MANIFEST, RESULT_GROUP, job_url
 from contracts.records import iso_time
 from worker import result_group
+from worker.storage import jsonable
 
 log = logging.getLogger(__name__)
 
-MATFREE_KINDS = ("jvp", "vjp", "hvp", "svd", "hessian_eig", "hessian_trace")
 BLOCK_BYTES = 32 << 20
 
 
@@ -63,13 +64,14 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     group_url = storage.join(base, RESULT_GROUP)
     dims = dimension_names(op, kind)
     t0 = time.monotonic()
-    if kind in ("jvp", "vjp", "hvp"):
+    if kind in PRODUCT_KINDS:
         if seeds is None:
             raise _missing("seeds", kind)
-        result = _products(op, kind, np.asarray(seeds), results_url, job_id, dims, chunk_size, on_progress,
-                           should_stop, run_products, block_bytes)
+        result, stored = _products(op, kind, np.asarray(seeds), results_url, job_id, dims, chunk_size,
+                                   on_progress, should_stop, run_products, block_bytes)
     else:
         storage.delete_prefix(group_url)
+        stored = {}
         if kind == "svd":
             result = spectra.svd(op, _required(rank, "rank", kind), tol=tol, chunk_size=chunk_size,
                                  progress=on_progress, should_stop=should_stop)
@@ -82,11 +84,10 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
         else:
             from worker.engine.errors import InvalidRequest
 
-            raise InvalidRequest(f"kind: {kind!r} is not a matrix-free kind; use one of {', '.join(MATFREE_KINDS)}",
-                                 field="kind")
+            raise InvalidRequest(f"kind: {kind!r} is not a matrix-free kind; use one of "
+                                 f"{', '.join(MATRIX_FREE_KINDS)}", field="kind")
         _write_small(group_url, op, kind, result, dims)
     seconds = time.monotonic() - t0
-    stored = result.attrs.pop("stored_shapes", {})
     shapes = {name: list(np.shape(a)) for name, a in result.arrays.items()} | stored
     finished = iso_time(time.time())
     created = iso_time(created_at or time.time())
@@ -103,7 +104,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                 **{k: v for k, v in (manifest_fields or {}).items() if v is not None}}
     if result.residuals is not None:
         manifest["residuals"] = [float(r) for r in np.asarray(result.residuals, np.float64)]
-    body = json.dumps(_jsonable(manifest), indent=2, sort_keys=True).encode()
+    body = json.dumps(jsonable(manifest), indent=2, sort_keys=True).encode()
     storage.write_bytes(storage.join(base, MANIFEST), body)
     return manifest
 
@@ -155,15 +156,14 @@ def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: s
                                iterations=0, attrs={"seeds": k})
     result.products = spent
     result.arrays = {}  # stored already, block by block
-    result.attrs["stored_shapes"] = {"products": [k, *row_shape]}
-    return result
+    return result, {"products": [k, *row_shape]}
 
 
 def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str, list[str]]) -> None:
     """The spectra's arrays (at most ``rank`` vectors): written whole, vectors in the axes' shapes."""
     import zarr
 
-    attrs = _jsonable({**_attrs(op, kind), **result.attributes()})
+    attrs = jsonable({**_attrs(op, kind), **result.attributes()})
     if "stderr" in result.arrays:  # the trace's standard error, for readers of the trace array alone
         attrs["stderr_value"] = float(np.asarray(result.arrays["stderr"]))
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
@@ -182,11 +182,7 @@ def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str
 
 
 def _attrs(op: Any, kind: str) -> dict[str, Any]:
-    return _jsonable({**op.attrs(), "kind": kind})
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+    return jsonable({**op.attrs(), "kind": kind})
 
 
 def _required(value: int | None, field: str, kind: str) -> int:

@@ -65,7 +65,7 @@ class RetryPolicy:
 _STOP = object()
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
@@ -104,7 +104,7 @@ class ResultWriter:
         self.rows = self._check_rows(rows)
         # The request (``attrs``) and the layout: the group's attributes and the array's (a reader of the
         # array alone, ``zarr.open_array``, sees them too).
-        self.attrs = _jsonable({**(attrs or {}), "shape": list(layout.shape), "iter_start": layout.iter_start,
+        self.attrs = jsonable({**(attrs or {}), "shape": list(layout.shape), "iter_start": layout.iter_start,
                                 "iter_stop": layout.iter_stop, "itemsize": self.dtype.itemsize,
                                 "block_bytes": layout.block_bytes})
         self._lock = threading.Lock()
@@ -292,7 +292,7 @@ class ResultWriter:
         missing = [b.index for b in self.missing_blocks()]  # one listing of the markers, not one per block
         if missing:
             raise RuntimeError(f"manifest: blocks {missing[:10]} are not committed; the result is incomplete")
-        manifest = _jsonable({**self.manifest_base(), **fields})
+        manifest = jsonable({**self.manifest_base(), **fields})
         result_group.seal(self.group_url, {k: v for k, v in manifest.items() if k in result_group.SEALED_FIELDS})
         storage.write_bytes(self.manifest_url, json.dumps(manifest, indent=2, sort_keys=True).encode())
         return self.manifest_url

@@ -23,9 +23,8 @@ from app.errors import error_responses
 from app.heatmap import MatrixAxis, block_mean, render_heatmap
 from app.job_storage import open_result_at, result_uri
 from app.plots import placeholder
-from app.spectrum import SPECTRAL_KINDS, render_spectrum
-
-PRODUCT_KINDS = ("jvp", "vjp", "hvp")
+from app.spectrum import render_spectrum
+from contracts.jobspec import PRODUCT_KINDS, SPECTRAL_KINDS
 
 PNG_MEDIA_TYPE = "image/png"
 CACHE_ENTRIES = 32

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from contracts import rules
+from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
 from worker.engine import matfree_rules, pfor_patches
 from worker.engine.chunk_run import rows_agree
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
@@ -318,9 +319,9 @@ def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None
     signature, ``of``, ``wrt`` (one name, a list, ``"variables/*"``), and for a Hessian ``kind`` a scalar ``of``
     (or ``reduce='sum'``); one eager forward pass gives ``of``'s shape. ``routes``: ``{"jvp"|"hvp": "auto" |
     "forward" | "reverse"}`` (default ``auto``)."""
-    if kind is not None and kind not in matfree_rules.MATFREE_KINDS:
+    if kind is not None and kind not in MATRIX_FREE_KINDS:
         raise InvalidRequest(f"kind: {kind!r} is not a matrix-free kind; use one of: "
-                             + ", ".join(repr(k) for k in matfree_rules.MATFREE_KINDS), field="kind")
+                             + ", ".join(repr(k) for k in MATRIX_FREE_KINDS), field="kind")
     _ruled(rules.check_options, kind="jacobian", reduce=reduce, output_dtype=output_dtype)
     tensors = _convert_inputs(model, inputs)
     of = _ruled(rules.resolve_of, of, _described(model)["outputs"], signature=model.signature)
@@ -330,7 +331,7 @@ def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None
     compute = rules.result_dtype(of_dtype, axis.dtype)
     op = Operator(model, tensors, of=of, of_shape=of_shape, of_dtype=of_dtype, axis=axis, reduce=reduce,
                   dtype=rules.result_dtype(of_dtype, axis.dtype, output_dtype), compute_dtype=compute, routes=routes)
-    if kind in matfree_rules.HESSIAN_KINDS:
+    if kind in MATRIX_FREE_HESSIAN_KINDS:
         op.require_hessian(kind)
     return op
 
@@ -342,7 +343,7 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
     """Kind ``jvp``, ``vjp`` or ``hvp`` as a result: ``products`` in ``op.dtype``, ``(k,) + of.shape`` for ``jvp``,
     ``(k,) + wrt.shape`` otherwise (``WrtAxis.shape``). ``on_chunk(start, rows)`` gets each chunk's rows in that
     layout and dtype as they come (for storage), then ``progress(seeds done, k)`` is called."""
-    if kind not in matfree_rules.PRODUCT_KINDS:
+    if kind not in PRODUCT_KINDS:
         raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
     k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)

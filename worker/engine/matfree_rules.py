@@ -21,12 +21,8 @@ import math
 import numbers
 from collections.abc import Sequence
 
-from contracts.rules import RuleViolation, check_hessian, fmt_shape
+from contracts.rules import MATRIX_FREE_HESSIAN_KINDS, RuleViolation, check_hessian, fmt_shape
 
-PRODUCT_KINDS = ("jvp", "vjp", "hvp")
-SPECTRAL_KINDS = ("svd", "hessian_eig", "hessian_trace")
-MATFREE_KINDS = PRODUCT_KINDS + SPECTRAL_KINDS
-HESSIAN_KINDS = ("hvp", "hessian_eig", "hessian_trace")
 TRACE_METHODS = ("auto", "hutch++", "hutchinson", "exact")
 DEFAULT_TOL = 1e-4
 DEFAULT_SAMPLES = 100
@@ -102,5 +98,5 @@ def check_seeds(kind: str, shape: Sequence[int], *, of_shape: Sequence[int], wrt
 
 def check_scalar_of(kind: str, of: str, of_shape: Sequence[int] | None, reduce: str | None) -> None:
     """The Hessian kinds need ``of`` of one element or ``reduce='sum'`` (``contracts.rules.check_hessian``)."""
-    if kind in HESSIAN_KINDS:
+    if kind in MATRIX_FREE_HESSIAN_KINDS:
         check_hessian(of, None if of_shape is None else tuple(of_shape), reduce)
