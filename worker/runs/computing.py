@@ -67,6 +67,46 @@ class ComputingAttempt(Attempt):
         manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
         return manifest
 
+    def compute_sparse(self, record: Any) -> dict[str, Any]:
+        """A sparse Jacobian (``worker.sparse_job``): the manifest, or ``{"dense_instead": plan.sparsity}``
+        when the dense path must compute it (pattern too dense or not found, verification failed)."""
+        import time
+
+        from contracts.jobstore import JobNotFound
+        from contracts.records import Progress
+        from worker.engine.plan_cache import default_cache_dir
+        from worker.model_cache import get_model
+        from worker.sparse_job import DenseInstead, compute_sparse_to_storage
+
+        job, store = self.job, self.store
+        inputs = load_inputs(job.inputs_uri, settings=self.settings)
+        model = get_model(check_model_path(job.model.path, self.settings.model_roots), job.model.signature)
+        started = time.monotonic()
+
+        def on_progress(done: int, total: int) -> None:
+            rate = done / max(time.monotonic() - started, 1e-9)
+            store.set_fields(job.id, progress=Progress.of(done, max(total, done), rate))
+
+        def previous(job_id: str) -> str | None:
+            try:
+                earlier = store.get(job_id)
+            except JobNotFound:
+                return None
+            return (earlier.result or {}).get("uri")
+
+        store.set_fields(job.id, plan={"kind": "jacobian", "strategy": "sparse", "shards": 1})
+        outcome = compute_sparse_to_storage(
+            model, inputs, of=job.of, wrt=job.wrt if isinstance(job.wrt, str) or job.wrt is None else job.wrt[0],
+            sparsity=job.sparsity, results_url=job.results_url, job_id=job.id, probe=self.probe,
+            budget_bytes=effective_budget(job.memory_budget_bytes, self.settings.memory_budget_bytes),
+            chunk_size=job.chunk_rows, cache_dir=str(self.settings.cache_dir or default_cache_dir()),
+            output_dtype=job.output_dtype, on_progress=on_progress,
+            should_stop=lambda: store.is_cancel_requested(job.id), previous=previous, created_at=record.created_at,
+            manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}})
+        if isinstance(outcome, DenseInstead):
+            return {"dense_instead": outcome.sparsity}
+        return outcome
+
     @property
     def plans(self) -> PlanCache:
         from worker.plan_store import worker_plan_cache

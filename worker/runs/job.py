@@ -67,21 +67,29 @@ class JobRun(ComputingAttempt):
         job, store = self.job, self.store
         if job.kind.matrix_free:
             return self._succeed(self.compute_matrix_free(record))
+        sparsity = None   # plan.sparsity of a sparse job computed densely
+        if getattr(job, "sparsity", None) is not None:
+            outcome = self.compute_sparse(record)
+            if "dense_instead" not in outcome:
+                return self._succeed(outcome)
+            sparsity = outcome["dense_instead"]
+            log.info("job %s: computed densely: %s", job.id, sparsity.get("fallback"))
         stored = store.shard_plan(job.id)
         if stored is not None and int(stored.get("shards") or 1) > 1:  # an earlier attempt split the job
             return self._fan_out(ShardPlan.from_json(stored))
         problem, plan = self.load_problem()
+        noted = {} if sparsity is None else {"sparsity": sparsity}
         reported = int((record.progress or {}).get("rows_done") or 0)  # by an earlier attempt
 
         def compute(rows: tuple[int, int] | None, refine: str = "auto") -> dict[str, Any]:
             return self.compute(
                 problem, plan, rows=rows, refine=refine, created_at=record.created_at, on_learned=self.plans.put,
-                on_plan=lambda p: store.set_fields(job.id, plan={**p, "shards": 1}),
+                on_plan=lambda p: store.set_fields(job.id, plan={**p, "shards": 1, **noted}),
                 on_progress=lambda p: store.set_fields(job.id, progress=at_least(p, reported)),
                 should_stop=lambda: store.is_cancel_requested(job.id),
                 manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}})
 
-        shards = self._choose_shards(problem, plan)
+        shards = 1 if sparsity is not None else self._choose_shards(problem, plan)
         blocks = iter(self._layout(problem).blocks())
         while shards is None:  # automatic, and no rows/s measured for this request yet: measure on its blocks
             block = next(blocks, None)
@@ -92,12 +100,15 @@ class JobRun(ComputingAttempt):
             shards = self._choose_shards(problem, plan)
         if shards > 1:
             return self._split(problem, shards, plan)
-        return self._succeed(compute(job.rows))
+        return self._succeed(compute(job.rows), noted)
 
-    def _succeed(self, manifest: dict[str, Any]) -> dict[str, Any]:
+    def _succeed(self, manifest: dict[str, Any], noted: dict[str, Any] | None = None) -> dict[str, Any]:
         job, store = self.job, self.store
         result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
-        final_plan = {**(manifest.get("plan") or {}), "shards": 1}
+        if manifest.get("format") == "coo":
+            result["format"] = "coo"
+            result["dense_shape"] = manifest["dense_shape"]
+        final_plan = {**(manifest.get("plan") or {}), "shards": 1, **(noted or {})}
         if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, plan=final_plan):
             return self._ended_meanwhile()
         log.info("job %s succeeded: %s", job.id, result["uri"])

@@ -1,0 +1,150 @@
+"""A sparse Jacobian from compressed products: one JVP (VJP) per colour of the pattern's columns (rows),
+decompressed on the host into the pattern's entries, then verified by random projections.
+
+``plan`` decides from the pattern whether the sparse path pays (``SparsePlan.sparse``; else the reason to
+compute densely); ``compute`` runs the compressed products through a ``worker.engine.matfree.Operator``
+(seeds per call planned from memory, halved on out-of-memory, like the matrix-free kinds) and returns the
+entries as a CSR matrix in the pattern's order (row-major, columns ascending); ``verify`` compares ``u^T J``
+of a few random ``u`` computed directly (VJPs) with the sparse matrix's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from worker.engine.chunk_run import rows_agree
+from worker.engine.sparsity.colouring import Colouring, choose_mode, colour
+
+# The sparse path pays when its products are at most this share of the dense path's and the pattern at most
+# this dense: beyond, COO (rows, cols, values: 20 bytes an entry for float32) outgrows what it saves
+# (docs/BENCHMARKS.md, "Sparse Jacobians").
+MAX_COLOUR_SHARE = 0.5
+MAX_DENSITY = 0.1
+VERIFY_SAMPLES = 2
+VERIFY_SEED = 20261124
+
+
+@dataclass
+class SparsePlan:
+    """What the pattern says: ``colouring`` (None when the sparse path does not pay: ``reason``)."""
+
+    nnz: int
+    shape: tuple[int, int]
+    colouring: Colouring | None
+    reason: str = ""
+
+    @property
+    def density(self) -> float:
+        return self.nnz / max(1, self.shape[0] * self.shape[1])
+
+    @property
+    def sparse(self) -> bool:
+        return self.colouring is not None
+
+    def summary(self, source: str) -> dict[str, Any]:
+        """``plan.sparsity``: ``source``, ``nnz``, ``density``, ``colors``, ``mode`` (and ``fallback``)."""
+        out: dict[str, Any] = {"source": source, "nnz": int(self.nnz), "density": round(self.density, 9),
+                               "colors": None if self.colouring is None else int(self.colouring.count),
+                               "mode": None if self.colouring is None else self.colouring.mode,
+                               "verified": False}
+        if self.reason:
+            out["fallback"] = self.reason
+        return out
+
+
+def plan(pattern: Any, colouring: Colouring | None = None) -> SparsePlan:
+    """Colour ``pattern`` (unless ``colouring`` is given) and say whether the sparse path pays."""
+    n_of, n_wrt = pattern.shape
+    dense_passes = min(n_of, n_wrt)
+    sp_plan = SparsePlan(nnz=int(pattern.nnz), shape=(n_of, n_wrt), colouring=None)
+    if sp_plan.density > MAX_DENSITY:
+        sp_plan.reason = (f"dense: the pattern holds {sp_plan.density:.1%} of the entries, over "
+                          f"{MAX_DENSITY:.0%}: stored as COO it would outgrow the dense array")
+        return sp_plan
+    limit = max(1, int(MAX_COLOUR_SHARE * dense_passes))
+    if colouring is None:
+        colouring = colour(pattern, choose_mode(pattern), limit=limit)
+    if colouring is None or colouring.count > limit:
+        sp_plan.reason = (f"dense: the pattern needs more than {limit} compressed products (half of the dense "
+                          f"path's {dense_passes}): no gain")
+        return sp_plan
+    sp_plan.colouring = colouring
+    return sp_plan
+
+
+def compute(op: Any, colouring: Colouring, *, chunk_size: int | None = None,
+            should_stop: Callable[[], bool] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """The compressed products, one per colour: ``(colours, n_of)`` (forward: ``J s_c``) or ``(colours,
+    n_wrt)`` (reverse: ``s_c^T J``) in ``op.compute_dtype``; ``entries`` reads the Jacobian out of them."""
+    def keep(start: int, products: np.ndarray) -> None:
+        if progress is not None:
+            progress(start + len(products), colouring.count)
+
+    kind = "jvp" if colouring.mode == "forward" else "vjp"
+    products = op.apply(kind, colouring.seeds(op.compute_dtype), chunk_size=chunk_size, should_stop=should_stop,
+                        on_chunk=keep)
+    return np.asarray(products).reshape(colouring.count, -1)
+
+
+def entries(pattern: Any, colouring: Colouring, products: np.ndarray, start: int, stop: int,
+            dtype: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``start:stop`` of J as COO: ``rows``, ``cols`` (int64, row-major, columns ascending) and
+    ``values``: entry ``(i, j)`` of the pattern lies in product ``colour[j]`` at ``i`` (forward) or
+    ``colour[i]`` at ``j`` (reverse). ``pattern``: CSR with sorted indices."""
+    lo, hi = int(pattern.indptr[start]), int(pattern.indptr[stop])
+    cols = pattern.indices[lo:hi].astype(np.int64)
+    rows = np.repeat(np.arange(start, stop, dtype=np.int64), np.diff(pattern.indptr[start:stop + 1]))
+    if colouring.mode == "forward":
+        values = products[colouring.colours[cols], rows]
+    else:
+        values = products[colouring.colours[rows], cols]
+    return rows, cols, values if dtype is None else values.astype(dtype)
+
+
+def row_blocks(pattern: Any, entries_per_block: int) -> list[tuple[int, int]]:
+    """Row ranges holding about ``entries_per_block`` entries each (at least one row)."""
+    n = pattern.shape[0]
+    out, start = [], 0
+    while start < n:
+        target = int(pattern.indptr[start]) + entries_per_block
+        stop = int(np.searchsorted(pattern.indptr, target, side="right")) - 1
+        stop = min(n, max(stop, start + 1))
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def verify(op: Any, pattern: Any, colouring: Colouring, products: np.ndarray,
+           samples: int = VERIFY_SAMPLES, block_entries: int = 1 << 22) -> tuple[bool, float]:
+    """``u^T J`` for ``samples`` random ``u``, by VJPs and from the sparse entries: whether they agree
+    (``chunk_run.rows_agree``) and the largest difference seen relative to the direct product's largest."""
+    n_of, n_wrt = pattern.shape
+    rng = np.random.default_rng(VERIFY_SEED)
+    u = rng.standard_normal((samples, n_of)).astype(op.compute_dtype)
+    direct = op.apply("vjp", u)
+    ours = np.zeros((samples, n_wrt), np.float64)
+    for start, stop in row_blocks(pattern, block_entries):
+        rows, cols, values = entries(pattern, colouring, products, start, stop)
+        for k in range(samples):
+            ours[k] += np.bincount(cols, weights=values * u[k, rows], minlength=n_wrt)
+    worst, ok = 0.0, True
+    for got, want in zip(ours, direct):
+        ok = ok and rows_agree(got, want)
+        finite = np.isfinite(want)
+        scale = float(np.abs(want[finite]).max(initial=0.0)) or 1.0
+        worst = max(worst, float(np.abs(got[finite] - want[finite]).max(initial=0.0)) / scale)
+    return ok, worst
+
+
+def sorted_pattern(pattern: Any) -> Any:
+    """``pattern`` as CSR with sorted column indices (the order of the stored entries)."""
+    pattern = pattern.tocsr()
+    if not pattern.has_sorted_indices:
+        pattern = pattern.copy()
+        pattern.sort_indices()
+    return pattern
