@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from app.cli_matfree import add_arguments as add_matfree_arguments
+from app.cli_sparse import add_arguments as add_sparse_arguments
 from contracts.jobspec import MATRIX_FREE_KINDS as MATFREE_KINDS
 
 _STARTED = time.perf_counter()
@@ -71,6 +72,10 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from worker.main import configure_devices
 
     configure_devices(get_settings())
+    if args.sparsity is not None and args.kind != "jacobian":
+        print("error: --sparsity: only kind 'jacobian' is computed sparse; remove it or use --kind jacobian",
+              file=sys.stderr)
+        return 2
     if args.kind in MATFREE_KINDS:
         return cmd_compute_matfree(args)
     if args.wrt and len(args.wrt) > 1:
@@ -78,6 +83,13 @@ def cmd_compute(args: argparse.Namespace) -> int:
               f"far; kind {args.kind!r} takes one", file=sys.stderr)
         return 2
     args.wrt = args.wrt[0] if args.wrt else None
+    job_id = args.job_id or uuid.uuid4().hex
+    if args.sparsity is not None:
+        from app.cli_sparse import cmd_compute_sparse
+
+        code = cmd_compute_sparse(args, job_id)
+        if code is not None:
+            return code
     from app.progress import RowProgress
     from contracts import storage
     from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
@@ -86,7 +98,6 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from worker.model_cache import get_model
     from worker.pipeline import compute_to_storage
 
-    job_id = args.job_id or uuid.uuid4().hex
     model_path = str(Path(args.model).expanduser().resolve())
     settings = get_settings()
     plans = DiskPlanCache(settings.cache_dir)
@@ -309,6 +320,7 @@ def _add_compute(sub: Any) -> None:
     p.add_argument("--job-id", help="result folder name under --out (default: a new id)")
     p.add_argument("--out", required=True, help="results URL: a directory or s3://bucket/prefix")
     add_matfree_arguments(p)
+    add_sparse_arguments(p)
     p.set_defaults(func=cmd_compute, needs=("worker",))
 
 

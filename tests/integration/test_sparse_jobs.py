@@ -1,0 +1,103 @@
+"""Sparse Jacobians through the service: POST with ``sparsity``, a real rq worker in this process on a real
+redis-server, ``plan.sparsity`` in the status, dense rows over HTTP equal to GradientTape's, the result read
+with scipy from the group alone; a dense pattern computed densely and saying why; ``pattern_from``."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from tests import sparse_models
+from tests.conftest import work_burst
+from worker.engine import load_model
+
+pytestmark = pytest.mark.integration
+IMAGE = np.random.default_rng(3).standard_normal((1, 20, 20, 3)).astype("float32")
+X = np.random.default_rng(4).standard_normal((2, 6)).astype("float32")
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    sparse_models.conv_net(root / "conv", size=20, channels=(3, 2))
+    sparse_models.mlp(root / "mlp")
+    return root
+
+
+@pytest.fixture
+def client(worker_env):
+    from app.main import create_app
+
+    worker_env(1 << 20)
+    with TestClient(create_app()) as c:
+        yield c
+
+
+def tensor(a: np.ndarray) -> dict:
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()}
+
+
+def finished(client, redis_conn, job_id: str) -> dict:
+    work_burst(redis_conn)
+    record = client.get(f"/v1/jobs/{job_id}").json()
+    assert record["status"] == "succeeded", record
+    return record
+
+
+def dense(model_root, name, inputs, of, wrt):
+    import tensorflow as tf
+
+    model = load_model(str(model_root / name))
+    x = tf.constant(inputs[wrt])
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = model.fn(**{wrt: x})[of]
+    return tape.jacobian(y, x, experimental_use_pfor=False).numpy().reshape(int(np.prod(y.shape)), -1)
+
+
+def test_sparse_job_over_http(client, redis_conn, model_root):
+    import scipy.sparse as sp
+    import zarr
+
+    want = dense(model_root, "conv", {"image": IMAGE}, "out", "image")
+    r = client.post("/v1/jobs", json={"model": {"path": "conv"}, "inputs": {"image": tensor(IMAGE)},
+                                      "sparsity": "auto"})
+    assert r.status_code == 202, r.text
+    record = finished(client, redis_conn, r.json()["id"])
+    info = record["plan"]["sparsity"]
+    assert info["verified"] is True and info["source"] == "auto" and info["colors"] == 50
+    assert record["plan"]["strategy"] == "sparse" and record["progress"]["fraction"] == 1.0
+    assert record["result"]["format"] == "coo" and record["result"]["dense_shape"] == list(want.shape)
+    group = zarr.open_group(record["result"]["uri"], mode="r")
+    got = sp.coo_array((group["values"][...], (group["rows"][...], group["cols"][...])),
+                       shape=tuple(group.attrs["shape"])).toarray()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "100:140"})
+    assert rows.status_code == 200, rows.text
+    np.testing.assert_allclose(np.load(io.BytesIO(rows.content)).reshape(40, -1), want[100:140], rtol=1e-5,
+                               atol=1e-6)
+    picture = client.get(f"/v1/jobs/{record['id']}/preview.png")
+    assert picture.status_code == 200 and picture.content.startswith(b"\x89PNG")
+
+    again = client.post("/v1/jobs", json={"model": {"path": "conv"}, "inputs": {"image": tensor(IMAGE * 2)},
+                                          "sparsity": {"pattern_from": record["id"]}})
+    assert again.status_code == 202, again.text
+    second = finished(client, redis_conn, again.json()["id"])
+    assert second["plan"]["sparsity"]["source"] == "pattern_from" and second["plan"]["sparsity"]["verified"]
+
+
+def test_a_dense_pattern_is_computed_densely_and_says_why(client, redis_conn, model_root):
+    r = client.post("/v1/jobs", json={"model": {"path": "mlp"}, "inputs": {"x": tensor(X[:1])},
+                                      "sparsity": "auto"})
+    assert r.status_code == 202, r.text
+    record = finished(client, redis_conn, r.json()["id"])
+    info = record["plan"]["sparsity"]
+    assert info["fallback"].startswith("dense: the pattern holds 100.0%") and info["verified"] is False
+    assert record["result"].get("format") is None and record["result"]["shape"] == [1, 3, 1, 6]
+    rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "0:3"})
+    np.testing.assert_allclose(np.load(io.BytesIO(rows.content)).reshape(3, 6),
+                               dense(model_root, "mlp", {"x": X[:1]}, "y", "x"), rtol=1e-5, atol=1e-6)
