@@ -45,7 +45,8 @@ _SUBMIT_OPENAPI: dict[str, Any] = {
         "required": True,
         "description": f"A JSON body (JobCreate, no query parameters), or an .npz body (Content-Type: "
                        f"{tensors.NPZ_MEDIA_TYPE}, one array per model input) with the options as query "
-                       f"parameters: {', '.join(_NPZ_PARAMS)} (model_path required; values as in JobCreate).",
+                       f"parameters: {', '.join(_NPZ_PARAMS)} (model_path required; values as in JobCreate; "
+                       "sparsity as auto, pattern_from:<job id>, pattern_uri:<url> or the JSON object).",
         "content": {
             JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/JobCreate"}},
             tensors.NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
