@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,9 @@ def write_sparse_group(uri: str | Path, matrix: Any, *, of_shape: tuple[int, ...
         arr = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=(max(1, chunk),),
                                  dimension_names=[dim])
         arr[...] = data
-    zarr.consolidate_metadata(str(uri))
+    with warnings.catch_warnings():  # "not part of the Zarr format 3 specification": zarr and xarray read it
+        warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
+        zarr.consolidate_metadata(str(uri))
     manifest = {"id": Path(str(uri)).parent.name, "uri": str(uri), "array": "values", "format": "coo",
                 "shape": [nnz], "dense_shape": [n_of, n_wrt], "dtype": values.dtype.name, "of_shape": list(of_shape),
                 "wrt_shape": list(wrt_shape), "sparsity": sparsity, "plan": plan}
