@@ -314,7 +314,8 @@ class JacobianClient:
         return rows_total, row_bytes
 
     def open_result(self, job_id: str) -> Any:
-        """The job's result as a lazy ``zarr.Array`` (nothing read until indexed)."""
+        """The job's result as a lazy ``zarr.Array`` (nothing read until indexed): its main array (``values``
+        of a sparse Jacobian; ``result()`` gives the matrix)."""
         return open_zarr(self._result_uri(job_id))
 
     def _result_uri(self, job_id: str) -> str:
