@@ -1,6 +1,7 @@
 """A request's tensors checked against the model's signature: names, dtypes, shapes, ``of``, ``wrt``, the
 kind's rules and the result size. Only shapes and dtypes are read (``Described``), so an ``.npz`` is
-checked from its headers before any data is inflated; ``check_finite`` then reads the values.
+checked from its headers before any data is inflated; ``check_finite`` then reads the values. A job with
+``sparsity`` is checked for an input ``wrt`` and, with ``pattern_from``, against the earlier job's record.
 
 The rules are ``contracts.rules``, the engine's too (on concrete tensors): a ``RuleViolation`` is
 answered as ``SignatureMismatch`` (422) with its message and field. The result size limit and the
@@ -18,7 +19,17 @@ import numpy as np
 
 from app.errors import InvalidRequest, NonFiniteInput, SignatureMismatch
 from contracts import rules
-from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, PRODUCT_KINDS, SEEDS_MEMBER, JobOptions, Kind
+from contracts.jobspec import (
+    MATRIX_FREE_HESSIAN_KINDS,
+    PRODUCT_KINDS,
+    SEEDS_MEMBER,
+    JobOptions,
+    JobStatus,
+    Kind,
+    ModelRef,
+    PatternFrom,
+)
+from contracts.jobstore import JobNotFound, JobStore
 from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
 
 
@@ -167,3 +178,41 @@ def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[st
         raise InvalidRequest(f"seeds: only the product kinds ({', '.join(PRODUCT_KINDS)}) take seeds; remove them",
                              field="seeds")
     return of, wrt
+
+
+# -- sparsity ------------------------------------------------------------------------------------------
+
+
+def check_sparsity_wrt(options: JobOptions, wrt: str, sig: Signature) -> None:
+    """A job with ``sparsity`` differentiates with respect to one input of the signature (the resolved
+    ``wrt``; ``JobOptions`` has already refused a list and ``variables/...``)."""
+    if options.sparsity is not None and wrt not in sig.inputs:
+        raise InvalidRequest(f"sparsity: works with respect to one input of signature {sig.name!r}, and wrt is "
+                             f"{wrt!r}; name one of {', '.join(map(repr, sig.inputs))} as wrt or remove sparsity",
+                             field="sparsity")
+
+
+def check_pattern_from(sparsity: Any, store: JobStore, *, model: ModelRef, of: str, wrt: str) -> None:
+    """``sparsity: {"pattern_from": id}`` names an earlier job that is in the job store, has succeeded, and
+    computed the same Jacobian: a ``jacobian`` of the same model directory, signature, ``of`` and ``wrt``
+    (its non-zeros are this job's pattern). Anything else is ``InvalidRequest`` (422) naming the field."""
+    if not isinstance(sparsity, PatternFrom):
+        return
+    field, job_id = "sparsity.pattern_from", sparsity.pattern_from
+    try:
+        record = store.get(job_id)
+    except JobNotFound:
+        raise InvalidRequest(f"{field}: no job {job_id!r} (unknown, or its record has expired); give the id of an "
+                             "earlier succeeded job on the same model, or use sparsity='auto'", field=field) from None
+    if record.status != JobStatus.succeeded:
+        raise InvalidRequest(f"{field}: job {job_id!r} is {record.status.value}; its pattern can be used once its "
+                             "status is 'succeeded' (or use sparsity='auto')", field=field)
+    spec = record.spec
+    earlier = {"model": (spec.get("model") or {}).get("path"), "signature": (spec.get("model") or {}).get("signature"),
+               "kind": spec.get("kind"), "of": spec.get("of"), "wrt": spec.get("wrt")}
+    this = {"model": model.path, "signature": model.signature, "kind": "jacobian", "of": of, "wrt": wrt}
+    differ = [f"{k} {earlier[k]!r} (this job: {this[k]!r})" for k in this if earlier[k] != this[k]]
+    if differ:
+        raise InvalidRequest(f"{field}: job {job_id!r} computed another Jacobian: {'; '.join(differ)}; give a job of "
+                             "kind 'jacobian' on the same model, signature, of and wrt, or use sparsity='auto'",
+                             field=field)

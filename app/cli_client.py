@@ -69,7 +69,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                "memory_budget_bytes": args.memory_budget, "reduce": args.reduce,
                "check_independence": True if args.check_independence else None,
                "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards,
-               "precision": args.precision, "rank": args.rank, "tol": args.tol, "samples": args.samples}
+               "precision": args.precision, "rank": args.rank, "tol": args.tol, "samples": args.samples,
+               "sparsity": sparsity_option(args.sparsity)}
     with _client(args) as client:
         try:
             job_id = client.submit_npz(args.model, body, signature=args.signature,
@@ -80,6 +81,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not args.wait:
             return 0
         return _wait(client, job_id, args, JacobianError, JobFailed)
+
+
+def sparsity_option(text: str | None) -> str | None:
+    """``--sparsity`` as the ``sparsity`` query parameter: ``auto``, ``pattern_from:<job id>`` and
+    ``pattern_uri:<url>`` as given, anything else the URL of a pattern ``.npz`` (``pattern_uri:<url>``)."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text == "auto" or text.startswith(("pattern_from:", "pattern_uri:", "{")):
+        return text
+    return f"pattern_uri:{text}"
 
 
 def _with_seeds(npz_body: bytes, seeds_path: str) -> bytes:
@@ -207,10 +219,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _expected_rows(client: Any, job_id: str, rows: slice | None) -> int | None:
-    """How many rows ``rows`` selects, from the job's ``rows_total`` (None when unknown)."""
+    """How many rows ``rows`` selects, from the result's ``rows_total`` (None when unknown)."""
     from app.client import _row_range
 
-    total = client.job(job_id).progress.rows_total
+    total, _ = client.row_geometry(job_id)
     if total is None:
         return None
     start, stop = _row_range(rows, total)
@@ -293,6 +305,10 @@ def register(sub: Any) -> None:
     p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on the memory of a chunk (bytes)")
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--shards", type=int, metavar="N", help="split the job into N row-range shards")
+    p.add_argument("--sparsity", metavar="auto|pattern_from:ID|URL",
+                   help="kind jacobian: compute J as a sparse (COO) matrix from its sparsity pattern: 'auto' "
+                   "(detected from the model), 'pattern_from:<job id>' (an earlier job's non-zeros) or the URL of an "
+                   ".npz with int arrays rows and cols under the results storage")
     p.add_argument("--idempotency-key", metavar="KEY", help="same key and inputs: the same job (default: a new key)")
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar on stderr")
     _waiting(p)

@@ -7,6 +7,7 @@
         record = client.wait(job_id, on_progress=lambda r: print(r["progress"]["fraction"]))
         first = client.result(job_id, rows=slice(0, 4))     # numpy rows 0:4 over HTTP
         J = client.result(job_id)                           # lazy zarr array straight from storage
+                                                            # (a sparse Jacobian: a scipy.sparse.coo_array)
 
 Errors of the API raise ``JacobianError`` (``.type``, ``.message``, ``.status_code``); a job that
 ends ``failed`` or ``canceled`` raises ``JobFailed`` from ``wait``. Job records are checked against
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import json
 import math
 import os
 import time
@@ -32,9 +34,20 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
+from app.client_storage import (
+    coo_of,
+    is_coo,
+    main_array_of,
+    open_coo,
+    open_node,
+    open_xarray,
+    open_zarr,
+    s3_storage_options,
+)
 from contracts.records import JobAccepted, JobList, JobPublic
 
-__all__ = ["JacobianClient", "JacobianError", "JobFailed", "JobCanceled", "DEFAULT_API_URL", "TERMINAL"]
+__all__ = ["JacobianClient", "JacobianError", "JobFailed", "JobCanceled", "DEFAULT_API_URL", "TERMINAL",
+           "open_zarr", "open_xarray", "open_coo", "coo_of", "s3_storage_options"]
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "canceled")
@@ -159,7 +172,8 @@ class JacobianClient:
         options (``of``, ``wrt``, ``kind``, ``mode``, ``memory_budget_bytes``, ``reduce``,
         ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``, ``precision``; the matrix-free
         kinds' ``rank``, ``tol``, ``samples`` and ``seeds``, an array sent as the member ``__seeds__``; ``wrt``
-        may be a list); ``None`` values are left out."""
+        may be a list; ``sparsity``: ``"auto"``, ``{"pattern_from": job_id}`` or ``{"pattern_uri": url}``);
+        ``None`` values are left out."""
         arrays = {name: np.asarray(value) for name, value in inputs.items()}
         seeds = options.pop("seeds", None)
         if seeds is not None:  # jvp, vjp, hvp: the .npz member the API takes seeds from
@@ -180,6 +194,8 @@ class JacobianClient:
                 value = "true" if value else "false"
             elif isinstance(value, (list, tuple)):  # several wrt: comma-separated in the query
                 value = ",".join(map(str, value))
+            elif isinstance(value, (dict, BaseModel)):  # sparsity={"pattern_from": id}: the JSON object
+                value = json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)
             params[name] = str(getattr(value, "value", value))
         # A key of our own makes retrying the POST after a dropped connection safe: same key, same job.
         key = idempotency_key or f"client-{uuid.uuid4().hex}"
@@ -243,20 +259,25 @@ class JacobianClient:
         """With ``rows`` (``slice(a, b)``): those rows as a numpy array ``(b - a,) + row_shape``, read
         over HTTP. Without: the whole result, lazy, read from the job's result group (local path, or
         ``s3://`` with credentials and endpoint from the ``AWS_*`` variables): a ``zarr.Array``, or with
-        ``as_xarray=True`` an ``xarray.Dataset`` with named dimensions and the request as attributes."""
+        ``as_xarray=True`` an ``xarray.Dataset`` with named dimensions and the request as attributes.
+
+        A sparse Jacobian (a group of format ``coo``): without ``rows``, the matrix as a
+        ``scipy.sparse.coo_array`` of shape ``(n_of, n_wrt)`` (read whole; needs scipy); with ``rows``,
+        dense rows of that matrix, ``(b - a,) + wrt_shape``."""
         if as_xarray:
             if rows is not None:
                 raise ValueError("rows: as_xarray=True reads the whole group lazily; select rows on the "
                                  "Dataset instead (e.g. ds.jacobian.isel(of_0=slice(a, b)))")
             return open_xarray(self._result_uri(job_id))
         if rows is None:
-            return self.open_result(job_id)
+            node = open_node(self._result_uri(job_id))
+            return coo_of(node) if is_coo(node) else main_array_of(node)
         return np.concatenate(builtins.list(self.iter_rows(job_id, rows)))
 
     def iter_rows(self, job_id: str, rows: slice | tuple[int, int] | None = None, *,
                   page_bytes: int = PAGE_BYTES) -> Iterator[np.ndarray]:
         """Rows ``rows`` (default all) in pages of at most ``page_bytes``, each ``(n,) + row_shape``."""
-        rows_total, row_bytes = _row_geometry(self.job(job_id))
+        rows_total, row_bytes = self.row_geometry(job_id)
         start, stop = _row_range(rows, rows_total)
         if stop is None:
             stop = rows_total
@@ -271,11 +292,30 @@ class JacobianClient:
             yield self._rows(job_id, f"{a}:{min(stop, a + per_page)}")
 
     def _rows(self, job_id: str, spec: str) -> np.ndarray:
+        return self._rows_answer(job_id, spec)[0]
+
+    def _rows_answer(self, job_id: str, spec: str) -> tuple[np.ndarray, httpx.Headers]:
         response = self._request("GET", f"/v1/jobs/{job_id}/result", params={"rows": spec})
-        return np.load(io.BytesIO(response.content), allow_pickle=False)
+        return np.load(io.BytesIO(response.content), allow_pickle=False), response.headers
+
+    def row_geometry(self, job_id: str) -> tuple[int | None, int | None]:
+        """``(rows_total, bytes per row)`` of the job's result as ``GET .../result?rows=`` serves it, from its
+        record (a sparse Jacobian's from ``result.dense_shape``); when the record does not say, from the
+        API's headers on row 0 of a succeeded job (``None`` where unknown)."""
+        record = self.job(job_id)
+        rows_total, row_bytes = _row_geometry(record)
+        if (rows_total is None or row_bytes is None) and record.status.value == "succeeded":
+            try:
+                row, headers = self._rows_answer(job_id, "0:1")
+                rows_total = int(headers["x-rows-total"])
+            except (JacobianError, KeyError, ValueError):
+                return rows_total, row_bytes
+            row_bytes = max(1, int(row.nbytes))
+        return rows_total, row_bytes
 
     def open_result(self, job_id: str) -> Any:
-        """The job's result as a lazy ``zarr.Array`` (nothing read until indexed)."""
+        """The job's result as a lazy ``zarr.Array`` (nothing read until indexed): its main array (``values``
+        of a sparse Jacobian; ``result()`` gives the matrix)."""
         return open_zarr(self._result_uri(job_id))
 
     def _result_uri(self, job_id: str) -> str:
@@ -302,8 +342,26 @@ def _checked_json(response: httpx.Response, model: type[BaseModel]) -> dict[str,
     return dict(body)
 
 
+def _is_sparse_record(record: JobPublic) -> bool:
+    """Whether the job's result is a sparse Jacobian: ``result.format`` is ``coo``, or ``plan.sparsity``
+    is set without a ``fallback`` (the sparse path was taken)."""
+    if record.result is not None and record.result.format is not None:
+        return record.result.format == "coo"
+    sparsity = record.plan.sparsity
+    return isinstance(sparsity, dict) and not sparsity.get("fallback")
+
+
 def _row_geometry(record: JobPublic) -> tuple[int | None, int | None]:
-    """``(rows_total, bytes per row)`` from a job record, ``None`` where it does not say."""
+    """``(rows_total, bytes per row)`` from a job record, ``None`` where it does not say. A sparse Jacobian's
+    rows are those of its ``dense_shape`` ``(n_of, n_wrt)`` (its progress counts the passes computed)."""
+    if _is_sparse_record(record):
+        dense = record.result.dense_shape if record.result is not None else None
+        if not dense or len(dense) != 2:
+            return None, None
+        try:
+            return dense[0], max(1, dense[1] * np.dtype(record.result.dtype).itemsize)
+        except TypeError:
+            return dense[0], None
     rows_total = record.progress.rows_total
     if rows_total is None or rows_total <= 0 or record.result is None:
         return rows_total, None
@@ -312,43 +370,3 @@ def _row_geometry(record: JobPublic) -> tuple[int | None, int | None]:
     except TypeError:
         return rows_total, None
     return rows_total, max(1, total_bytes // rows_total)
-
-
-def s3_storage_options() -> dict[str, Any]:
-    """fsspec/s3fs options from the standard ``AWS_*`` variables."""
-    from contracts.storage import s3_options_from_env
-
-    return s3_options_from_env()
-
-
-def _store_args(uri: str) -> tuple[str, dict[str, Any] | None]:
-    """``uri`` as zarr and xarray take it, and fsspec options for ``s3://`` (``s3_storage_options()``)."""
-    if uri.startswith(("s3://", "s3a://")):
-        return uri.replace("s3a://", "s3://", 1), s3_storage_options()
-    return uri.removeprefix("file://"), None
-
-
-def open_zarr(uri: str, name: str | None = None) -> Any:
-    """The array ``name`` (default: the kind's main array: ``jacobian``, ``products``, ``S``, ...) of the result
-    group at ``uri`` (``result.uri``), read-only and lazy; an array at ``uri`` itself (results stored before the
-    group layout) as it is. ``s3://`` through fsspec."""
-    import zarr
-
-    from contracts.layout import main_array
-
-    path, options = _store_args(uri)
-    node = zarr.open(path, mode="r", storage_options=options)
-    if not isinstance(node, zarr.Group):
-        return node
-    return node[name or main_array(node.attrs.get("kind"))]
-
-
-def open_xarray(uri: str) -> Any:
-    """The result group at ``uri`` as a lazy ``xarray.Dataset`` (``xarray.open_zarr``; needs xarray and dask)."""
-    try:
-        import xarray as xr
-    except ImportError as exc:
-        raise ImportError("xarray: reading a result as a Dataset needs xarray and dask "
-                          "(pip install xarray 'dask[array]')") from exc
-    path, options = _store_args(uri)
-    return xr.open_zarr(path, storage_options=options, consolidated=True)

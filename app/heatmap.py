@@ -126,7 +126,7 @@ def colour_limit(panels: np.ndarray) -> float:
     return limit if limit > 0 else 1.0
 
 
-def _set_ticks(axis: Any, shape: tuple[int, ...]) -> None:
+def set_ticks(axis: Any, shape: tuple[int, ...]) -> None:
     """Labelled ticks at the first element of each entry of the leading axis when it has a few
     (``(3, 16)``: 0, 16, 32; with a minor tick per element up to 32), else at a few round indices."""
     from matplotlib.ticker import FixedLocator, MaxNLocator, MultipleLocator
@@ -150,7 +150,7 @@ def _footer(ds: Downsampled, limit: float) -> str:
 
 
 @dataclass(frozen=True)
-class _Grid:
+class PanelGrid:
     """Where the panels go, in inches: ``ncols`` x ``nrows`` panels of ``panel_w`` x ``panel_h``."""
 
     ncols: int
@@ -176,7 +176,7 @@ class _Grid:
                 self.bottom + (self.nrows - 1 - row) * (self.panel_h + self.gap_y))
 
 
-def _grid(n: int, rows: int, cols: int, *, titled: bool) -> _Grid:
+def panel_grid(n: int, rows: int, cols: int, *, titled: bool) -> PanelGrid:
     """Panels about 5 inches wide alone, 3.6 two abreast, 2.7 from three; height by the matrix's
     aspect ratio clamped to 1:4..4:1, at most 5 (alone) or 3 inches."""
     ncols = min(n, MAX_COLUMNS)
@@ -184,7 +184,7 @@ def _grid(n: int, rows: int, cols: int, *, titled: bool) -> _Grid:
     panel_w = min({1: 5.0, 2: 3.6}.get(ncols, 2.7), (5.0 if n == 1 else 3.0) / aspect)
     tick_w = 0.08 * len(str(rows)) + 0.12
     title_h = 0.3 if titled else 0.0
-    return _Grid(ncols, -(-n // ncols), panel_w, panel_w * aspect, left=plots.PAD_IN + 0.3 + tick_w,
+    return PanelGrid(ncols, -(-n // ncols), panel_w, panel_w * aspect, left=plots.PAD_IN + 0.3 + tick_w,
                  gap_x=0.2, gap_y=0.35 + title_h, top=plots.HEADER_IN + title_h)
 
 
@@ -211,7 +211,7 @@ def heatmap_figure(ds: Downsampled, *, title: str, subtitle: str = "", row_axis:
     n, height, width = ds.panels.shape
     rows, cols = max(1, ds.rows), max(1, ds.cols)
     limit = colour_limit(ds.panels)
-    grid = _grid(n, rows, cols, titled=bool(panel_titles))
+    grid = panel_grid(n, rows, cols, titled=bool(panel_titles))
     natural_w, fig_h = grid.size
     fig = plots.new_figure(natural_w, fig_h, title=title, subtitle=subtitle, footer=_footer(ds, limit))
     shift = (fig.get_figwidth() - natural_w) / 2     # centre the panels when the texts widened the figure
@@ -225,8 +225,8 @@ def heatmap_figure(ds: Downsampled, *, title: str, subtitle: str = "", row_axis:
         ax = plots.add_axes_in(fig, shift + x, y, grid.panel_w, grid.panel_h)
         image = ax.imshow(np.ma.masked_invalid(ds.panels[p]), cmap=cmap, norm=norm, aspect="auto", extent=extent,
                           interpolation="nearest" if whole_pixels else "auto")
-        _set_ticks(ax.xaxis, col_axis.shape)
-        _set_ticks(ax.yaxis, row_axis.shape)
+        set_ticks(ax.xaxis, col_axis.shape)
+        set_ticks(ax.yaxis, row_axis.shape)
         ax.tick_params(labelsize=plots.SMALL_PT, length=3, pad=2, labelleft=p % grid.ncols == 0,
                        labelbottom=p + grid.ncols >= n)  # tick labels on the outer panels only
         ax.tick_params(which="minor", length=1.5)

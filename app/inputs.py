@@ -103,7 +103,29 @@ def parse_npz_query(params: Mapping[str, str]) -> tuple[JobOptions, ModelRef]:
         raise InvalidRequest(f"model_path/signature: {exc.errors()[0]['msg']}") from None
     if isinstance(opts.get("wrt"), str) and "," in opts["wrt"]:  # several wrt in a query: "wrt=a,variables/w"
         opts["wrt"] = [name.strip() for name in opts["wrt"].split(",")]
+    if isinstance(opts.get("sparsity"), str):
+        opts["sparsity"] = sparsity_from_query(opts["sparsity"])
     return RequestedOptions.model_validate(opts), model
+
+
+def sparsity_from_query(text: str) -> Any:
+    """The ``sparsity`` query parameter of an ``.npz`` upload as the JSON form takes it: ``auto``;
+    ``pattern_from:<job id>`` or ``pattern_uri:<url>`` (split at the first colon); or the JSON object
+    itself (``{"pattern_uri": "s3://..."}``). ``null`` or nothing is dense, as is omitting it."""
+    text = text.strip()
+    if text in ("", "null"):
+        return None
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise InvalidRequest(f"sparsity: {text[:80]!r} is not a JSON object; use sparsity=auto, "
+                                 "sparsity=pattern_from:<job id> or sparsity=pattern_uri:<url>", field="sparsity") \
+                from None
+    key, colon, value = text.partition(":")
+    if colon and key in ("pattern_from", "pattern_uri"):
+        return {key: value}
+    return text  # "auto", or something JobOptions refuses with the accepted forms
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:

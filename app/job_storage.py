@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from app.errors import JobNotFinished
+from app.sparse import SparseResult, is_sparse
 from contracts import storage
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobRecord
@@ -24,20 +25,26 @@ def result_uri(record: JobRecord, *, use: str = "its result can be read") -> str
     return str((record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], record.id)}/{RESULT_GROUP}")
 
 
-def open_result(record: JobRecord, *, use: str = "its result can be read") -> Any:
-    """The result array of a succeeded job (``result_uri``), opened read-only (nothing read yet)."""
-    return open_result_at(record.id, result_uri(record, use=use))
+def open_result(record: JobRecord, *, use: str = "its result can be read", sparse: bool = False) -> Any:
+    """The result array of a succeeded job (``result_uri``), opened read-only (nothing read yet); with
+    ``sparse``, a sparse Jacobian's group as an ``app.sparse.SparseResult`` (``open_result_at``)."""
+    return open_result_at(record.id, result_uri(record, use=use), sparse=sparse)
 
 
-def open_result_at(job_id: str, uri: str) -> Any:
-    """The result array (``jacobian``) of job ``job_id`` in its group at ``uri``, opened read-only.
+def open_result_at(job_id: str, uri: str, *, sparse: bool = False) -> Any:
+    """The result array (``jacobian``, the kind's main array) of job ``job_id`` in its group at ``uri``,
+    opened read-only; with ``sparse``, a group of format ``coo`` as an ``app.sparse.SparseResult`` instead
+    (without: its ``values``).
 
     Raises ``JobNotFinished`` (409) when it is missing: the service never deletes a stored result, so
     it was removed from storage by someone, or this API reads other storage than the worker wrote
     (``JACOBIAN_RESULTS_URL``, the S3 endpoint or credentials).
     """
     try:
-        return storage.open_result(uri)
+        node = storage.open_result_node(uri)
+        if sparse and is_sparse(node):
+            return SparseResult.of_group(node)
+        return storage.result_array(node)
     except (FileNotFoundError, KeyError) as exc:
         raise JobNotFinished(
             f"id: job {job_id!r} succeeded but its result is gone from {uri!r} ({exc}); stored results are never "

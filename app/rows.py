@@ -78,9 +78,16 @@ def npy_size(dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
     return len(_npy_header(dtype, shape)) + math.prod(shape) * dtype.itemsize
 
 
+def npy_stream(dtype: np.dtype[Any], shape: tuple[int, ...],
+               parts: Iterator[np.ndarray]) -> Iterator[bytes | memoryview]:
+    """The bytes of one ``.npy`` of ``dtype`` and ``shape``: its header, then ``parts`` (arrays of ``dtype``
+    that together fill ``shape`` in C order) one at a time."""
+    yield _npy_header(dtype, shape)
+    for part in parts:
+        yield memoryview(np.ascontiguousarray(part)).cast("B")
+
+
 def iter_npy(array: Any, layout: ResultLayout, start: int, stop: int) -> Iterator[bytes | memoryview]:
     """Rows ``start:stop`` as the bytes of one ``.npy``, ``(stop - start,) + row_shape``: the header,
     then each storage block's rows, so memory holds one block at a time, however many rows are asked."""
-    yield _npy_header(array.dtype, (stop - start,) + layout.row_shape)
-    for rows in iter_rows(array, layout, start, stop):
-        yield memoryview(np.ascontiguousarray(rows)).cast("B")
+    return npy_stream(array.dtype, (stop - start,) + layout.row_shape, iter_rows(array, layout, start, stop))

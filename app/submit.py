@@ -25,8 +25,17 @@ from app.job_storage import remove_job_files
 from app.metrics import JOBS_SUBMITTED
 from app.routes.models import load_signature
 from app.security import check_path_text
-from contracts import storage
-from contracts.jobspec import RUN_JOB_TASK, SEEDS_MEMBER, JobCreate, JobOptions, JobStatus, ModelRef, QueuedJob
+from contracts import npz, storage
+from contracts.jobspec import (
+    RUN_JOB_TASK,
+    SEEDS_MEMBER,
+    JobCreate,
+    JobOptions,
+    JobStatus,
+    ModelRef,
+    PatternUri,
+    QueuedJob,
+)
 from contracts.jobstore import JobRecord, JobStore
 from contracts.settings import Settings
 
@@ -59,6 +68,7 @@ def submit(body: bytes, media: str, query: Mapping[str, str], *, settings: Setti
     if idempotency_key is not None and not _IDEMPOTENCY_KEY.match(idempotency_key):
         raise InvalidRequest("Idempotency-Key: use 1 to 255 printable ASCII characters without spaces")
     queued, arrays = validate(body, media, query, settings)
+    checks.check_pattern_from(queued.sparsity, store, model=queued.model, of=queued.of or "", wrt=str(queued.wrt))
     body_hash = fingerprint(queued, arrays)
     job_id = uuid.uuid4().hex
     if idempotency_key is not None:
@@ -120,6 +130,7 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
         of = checks.resolve_of(options.of, sig)
         variables = info.variables_of(sig.name)
         wrt = checks.resolve_wrt(options.wrt, sig, variables)
+        checks.check_sparsity_wrt(options, wrt, sig)
         checks.check_kind(options, sig, of, wrt, described)
         checks.check_result_size(options, sig, of, wrt, described, variables,
                                   max_result_bytes=settings.max_result_bytes)
@@ -150,33 +161,62 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
     if job is not None and job.seeds is not None:
         arrays[SEEDS_MEMBER] = tensors.arrays_from_json({SEEDS_MEMBER: job.seeds}, sig, **limits)[SEEDS_MEMBER]
     checks.check_finite(arrays)
+    if isinstance(options.sparsity, PatternUri):
+        check_pattern_uri(options.sparsity.pattern_uri, settings)
     spec = options.model_dump(exclude={"of", "wrt"})
     queued = QueuedJob(id="", model=ModelRef(path=str(model_dir), signature=model.signature), inputs_uri="",
                        results_url=storage.normalize(settings.results_url), of=of, wrt=wrt, **spec)
     return queued, arrays
 
 
-def _open_inputs_uri(uri: str, settings: Settings) -> IO[bytes]:
-    """The .npz at ``uri`` opened for reading; it must lie under the results storage (the service
-    reads nothing else) and be a file."""
-    check_path_text(uri, field="inputs_uri", local=not storage.is_remote(uri))
+def _open_inputs_uri(uri: str, settings: Settings, *, field: str = "inputs_uri",
+                     instead: str = "or send it as the body (Content-Type: application/x-npz)") -> IO[bytes]:
+    """The .npz at ``uri`` (the request's ``field``) opened for reading; it must lie under the results
+    storage (the service reads nothing else) and be a file. ``instead``: the other way to give it."""
+    check_path_text(uri, field=field, local=not storage.is_remote(uri))
     base = storage.normalize(settings.results_url).rstrip("/") + "/"
     if ".." in uri.split("/") or not storage.normalize(uri).startswith(base):
-        raise InvalidRequest(f"inputs_uri: {uri!r} is not under the results storage {base!r}; upload the .npz "
-                             "there or send it as the body (Content-Type: application/x-npz)", field="inputs_uri")
+        raise InvalidRequest(f"{field}: {uri!r} is not under the results storage {base!r}; upload the .npz "
+                             f"there {instead}", field=field)
     try:
         return storage.open_file(uri)
     except FileNotFoundError:
-        raise InvalidRequest(f"inputs_uri: nothing at {uri!r}; upload the .npz first", field="inputs_uri") from None
+        raise InvalidRequest(f"{field}: nothing at {uri!r}; upload the .npz first", field=field) from None
     except (IsADirectoryError, NotADirectoryError):
-        raise InvalidRequest(f"inputs_uri: {uri!r} is a folder, not a file; give the URL of the .npz itself",
-                             field="inputs_uri") from None
+        raise InvalidRequest(f"{field}: {uri!r} is a folder, not a file; give the URL of the .npz itself",
+                             field=field) from None
     except OSError as exc:
         if exc.errno == errno.ENAMETOOLONG:
-            raise InvalidRequest(f"inputs_uri: {uri[:80]!r}... is longer than the file system allows; use a "
-                                 "shorter name", field="inputs_uri") from None
-        raise NotReady(f"storage: cannot read inputs_uri ({type(exc).__name__}); retry later (see GET /readyz)") \
+            raise InvalidRequest(f"{field}: {uri[:80]!r}... is longer than the file system allows; use a "
+                                 "shorter name", field=field) from None
+        raise NotReady(f"storage: cannot read {field} ({type(exc).__name__}); retry later (see GET /readyz)") \
             from None
+
+
+def check_pattern_uri(uri: str, settings: Settings) -> None:
+    """``sparsity: {"pattern_uri": uri}``: an .npz under the results storage (as ``inputs_uri``: the worker
+    reads nothing else) whose members ``rows`` and ``cols`` are 1-d integer arrays of one length (their
+    headers are read; the indices' range against the Jacobian's shape is the worker's check)."""
+    field = "sparsity.pattern_uri"
+    with _open_inputs_uri(uri, settings, field=field, instead="or use sparsity='auto'") as file:
+        try:
+            with npz.open_zip(file) as zf:
+                members = {m.name: m for m in npz.read_headers(zf)}
+        except npz.NpzError as exc:
+            raise InvalidRequest(f"{field}: {uri!r} is not a readable .npz ({exc}); write it with "
+                                 "numpy.savez(path, rows=..., cols=...)", field=field) from None
+    fix = "write it with numpy.savez(path, rows=..., cols=...), the flat row and column indices of the non-zeros"
+    for name in ("rows", "cols"):
+        member = members.get(name)
+        if member is None:
+            raise InvalidRequest(f"{field}: {uri!r} has no array {name!r} (it has {sorted(members)}); {fix}",
+                                 field=field)
+        if len(member.shape) != 1 or member.dtype.kind not in "iu":
+            raise InvalidRequest(f"{field}: {name!r} is {member.dtype.name} of shape {list(member.shape)}, not a 1-d "
+                                 f"integer array; {fix}", field=field)
+    if members["rows"].shape != members["cols"].shape:
+        raise InvalidRequest(f"{field}: 'rows' has {members['rows'].shape[0]} entries and 'cols' "
+                             f"{members['cols'].shape[0]}; give one row and one column index per entry", field=field)
 
 
 def enqueue(job_id: str, queued: QueuedJob, arrays: Mapping[str, np.ndarray], *, settings: Settings,

@@ -6,7 +6,7 @@ import re
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
                     "uint8", "uint16", "uint32", "uint64", "bool")
@@ -105,6 +105,27 @@ class TensorIn(BaseModel):
         return self
 
 
+class PatternUri(BaseModel):
+    """``sparsity`` given as a pattern: an ``.npz`` with the int arrays ``rows`` and ``cols``."""
+
+    model_config = ConfigDict(extra="forbid")
+    pattern_uri: str = Field(min_length=1, description="an .npz under the results storage (local path, file:// or "
+                             "s3://) with 1-d integer arrays 'rows' and 'cols': the flat row (of) and column (wrt) "
+                             "indices of the entries that may be non-zero")
+
+
+class PatternFrom(BaseModel):
+    """``sparsity`` taken from the non-zeros of an earlier succeeded job on the same model, ``of`` and ``wrt``."""
+
+    model_config = ConfigDict(extra="forbid")
+    pattern_from: str = Field(pattern=JOB_ID_PATTERN, description="the id of an earlier succeeded 'jacobian' job "
+                              "with the same model, signature, of and wrt")
+
+
+Sparsity = Literal["auto"] | PatternUri | PatternFrom
+SPARSITY_FORMS = ("null", "'auto'", "{'pattern_uri': '<.npz with rows and cols>'}", "{'pattern_from': '<job id>'}")
+
+
 class JobOptions(BaseModel):
     """Everything of a job but its input tensors (also the query parameters of an .npz upload)."""
 
@@ -133,6 +154,28 @@ class JobOptions(BaseModel):
         "highest", description="'highest': full float32 matmuls and convolutions on the GPU (TensorFloat-32 off, "
         "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
         "rounded to 10 bits of mantissa (about 1e-3 relative). No effect on the CPU")
+    sparsity: Sparsity | None = Field(
+        None, description="kind 'jacobian' with one input as wrt: compute J by colouring its sparsity pattern and "
+        "store it as COO (arrays rows, cols, values; see README 'Sparse Jacobians'). null: dense (the default); "
+        "'auto': the pattern detected from the model's graph; {'pattern_uri': url}: given as an .npz of rows "
+        "and cols; {'pattern_from': job id}: the non-zeros of an earlier job's result")
+
+    @field_validator("sparsity", mode="before")
+    @classmethod
+    def _sparsity_form(cls, value: Any) -> Any:
+        """One clear message for a ``sparsity`` of none of the accepted forms (rather than one per form)."""
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, dict) and len(value) == 1:
+            ((key, item),) = value.items()
+            if key == "pattern_uri" and isinstance(item, str) and item:
+                return value
+            if key == "pattern_from" and isinstance(item, str) and is_job_id(item):
+                return value
+            if key == "pattern_from":
+                raise ValueError(f"pattern_from: {_shown(item)} is not a job id; give the 32 hex digits that "
+                                 "POST /v1/jobs answered for the earlier job")
+        raise ValueError(f"{_shown(value)} is not a sparsity; use one of {', '.join(SPARSITY_FORMS)}")
 
     @model_validator(mode="after")
     def _check(self) -> JobOptions:
@@ -154,7 +197,18 @@ class JobOptions(BaseModel):
         if self.output_dtype is not None and self.output_dtype not in STORABLE_DTYPES:
             raise ValueError(f"output_dtype: {self.output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); "
                              f"use one of {', '.join(STORABLE_DTYPES)}")
+        if self.sparsity is not None:
+            self._check_sparsity()
         return self
+
+    def _check_sparsity(self) -> None:
+        """``sparsity`` only for kind ``jacobian`` with respect to one signature input."""
+        if self.kind != Kind.jacobian:
+            raise ValueError(f"sparsity: only for kind 'jacobian' (a sparse result is J's non-zeros), not "
+                             f"{self.kind.value!r}; remove sparsity or use kind='jacobian'")
+        if isinstance(self.wrt, list) or (self.wrt or "").startswith("variables/"):
+            raise ValueError(f"sparsity: works with respect to one signature input, not {self.wrt!r}; name one "
+                             "input as wrt (no list, no variables/...) or remove sparsity")
 
 
 class RequestedOptions(JobOptions):
@@ -202,6 +256,12 @@ class QueuedJob(JobOptions):
                               "None for the job itself (which plans the shards) and its finalizer")
     strategy: str | None = Field(None, description="chunk strategy every shard uses (e.g. 'tiled+xla'), pinned by "
                                  "the job's planner so that all rows are computed alike; None: a timed trial picks")
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters, for a message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def is_job_id(text: str) -> bool:

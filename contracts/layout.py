@@ -22,8 +22,15 @@ MAIN_ARRAYS = {"jvp": "products", "vjp": "products", "hvp": "products", "svd": "
                "hessian_trace": "trace"}
 
 
-def main_array(kind: object) -> str:
-    """The array of a result group that rows are read from, for its ``kind`` attribute."""
+SPARSE_FORMAT = "coo"  # group attribute ``format`` of a sparse Jacobian: arrays rows, cols, values, indptr
+SPARSE_MAIN_ARRAY = "values"
+
+
+def main_array(kind: object, format: object = None) -> str:
+    """The main array of a result group, for its ``kind`` and ``format`` attributes: ``values`` for a sparse
+    Jacobian (``format`` ``"coo"``), else the kind's (``MAIN_ARRAYS``, ``jacobian`` for the dense kinds)."""
+    if format == SPARSE_FORMAT:
+        return SPARSE_MAIN_ARRAY
     return MAIN_ARRAYS.get(str(kind), JACOBIAN_ARRAY)
 MANIFEST = "manifest.json"
 INPUTS = "inputs.npz"

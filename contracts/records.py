@@ -57,14 +57,22 @@ class PlanInfo(BaseModel):
     bytes_per_row: int | None = Field(None, description="measured memory per row of a chunk (bytes)")
     oom_retries: int | None = Field(None, description="chunks retried smaller after running out of memory")
     shards: int | None = Field(None, description="row-range shards the job runs as (1: not split)")
+    sparsity: dict[str, Any] | None = Field(
+        None, description="a job with option sparsity: the pattern's 'source', 'nnz', 'density', 'colors', "
+        "'verified', 'mode', and 'fallback' (why the result is dense) when the sparse path was not taken")
 
 
 class ResultInfo(BaseModel):
-    """Where a succeeded job's result lies: a Zarr array at ``uri`` of ``shape`` and ``dtype``."""
+    """Where a succeeded job's result lies: a Zarr array at ``uri`` of ``shape`` and ``dtype``. A sparse
+    Jacobian (``format`` ``"coo"``) has ``shape`` ``[nnz]`` (its ``values``) and the matrix's ``dense_shape``
+    ``[n_of, n_wrt]``."""
 
     uri: str
     shape: list[int]
     dtype: str
+    format: str | None = Field(None, description="'coo' for a sparse Jacobian (arrays rows, cols, values, indptr "
+                               "in the group); absent for a dense result")
+    dense_shape: list[int] | None = Field(None, description="format 'coo': the matrix's shape [n_of, n_wrt]")
 
 
 class ErrorInfo(BaseModel):

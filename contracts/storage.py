@@ -294,15 +294,28 @@ def open_group(url: str, mode: str = "r") -> zarr.Group:
     return zarr.open_group(store=zarr_store(url, read_only=mode == "r"), mode=mode)  # type: ignore[arg-type]
 
 
-def open_result(url: str, name: str | None = None) -> zarr.Array:
-    """A result's array ``name`` (default: its kind's main array, ``layout.MAIN_ARRAYS``, else ``jacobian``),
-    read-only, from its group at ``url`` (``result.uri``); an array at ``url`` itself (results stored before
-    the group layout, ``{job}/jacobian.zarr``) is returned as it is."""
+def open_result_node(url: str) -> zarr.Group | zarr.Array:
+    """What lies at a result's ``url`` (``result.uri``), read-only: its group, or an array (results stored
+    before the group layout, ``{job}/jacobian.zarr``)."""
+    import zarr
+
+    return zarr.open(store=zarr_store(url, read_only=True), mode="r")
+
+
+def result_array(node: zarr.Group | zarr.Array, name: str | None = None) -> zarr.Array:
+    """The array ``name`` of a result group (default: its main array, ``layout.main_array``: ``values`` of a
+    sparse result, the kind's ``MAIN_ARRAYS``, else ``jacobian``); an array ``node`` as it is."""
     import zarr
 
     from contracts.layout import main_array
 
-    node = zarr.open(store=zarr_store(url, read_only=True), mode="r")
     if not isinstance(node, zarr.Group):
         return node
-    return node[name or main_array(node.attrs.get("kind"))]
+    return node[name or main_array(node.attrs.get("kind"), node.attrs.get("format"))]
+
+
+def open_result(url: str, name: str | None = None) -> zarr.Array:
+    """A result's array ``name`` (default: its main array, ``result_array``), read-only, from its group at
+    ``url`` (``result.uri``); an array at ``url`` itself (results stored before the group layout,
+    ``{job}/jacobian.zarr``) is returned as it is."""
+    return result_array(open_result_node(url), name)

@@ -25,9 +25,11 @@ from app.errors import ApiError, ClientClosedRequest, InvalidRequest, error_resp
 from app.job_storage import open_result, remove_job_files
 from app.metrics import JOBS_CANCELED, JOBS_REJECTED
 from app.paging import decode_token, encode_token
+from app.sparse import SparseResult
 from app.submit import JSON_MEDIA_TYPE, read_body, submit
 from app.submit import enqueue as enqueue  # re-exported: bench/bench_shards.py enqueues as the API does
 from contracts.jobspec import JobOptions, JobStatus
+from contracts.layout import SPARSE_FORMAT
 from contracts.records import ErrorInfo, JobAccepted, JobList, JobPublic
 
 NPY_MEDIA_TYPE = "application/octet-stream"
@@ -45,7 +47,8 @@ _SUBMIT_OPENAPI: dict[str, Any] = {
         "required": True,
         "description": f"A JSON body (JobCreate, no query parameters), or an .npz body (Content-Type: "
                        f"{tensors.NPZ_MEDIA_TYPE}, one array per model input) with the options as query "
-                       f"parameters: {', '.join(_NPZ_PARAMS)} (model_path required; values as in JobCreate).",
+                       f"parameters: {', '.join(_NPZ_PARAMS)} (model_path required; values as in JobCreate; "
+                       "sparsity as auto, pattern_from:<job id>, pattern_uri:<url> or the JSON object).",
         "content": {
             JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/JobCreate"}},
             tensors.NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
@@ -145,17 +148,28 @@ def get_result(
     Rows run over the result's iterated axes (``X-Rows-Total``, ``X-Row-Shape`` headers). The answer
     streams one storage block at a time; a range of several rows is limited to
     ``JACOBIAN_MAX_BODY_BYTES``, a single row is always served, however large. 409 until the job has
-    succeeded, 416 for a range outside the result, 422 for a malformed one.
+    succeeded, 416 for a range outside the result, 422 for a malformed one. A sparse Jacobian (stored as
+    COO, ``X-Result-Format: coo``) answers dense rows of its ``(n_of, n_wrt)`` matrix, ``(b - a,) + wrt_shape``
+    (as a dense Jacobian in reverse mode), built from the entries of those rows only.
     """
-    array = open_result(store.get(job_id))
-    layout = result_rows.layout_of(array)
-    start, stop = result_rows.parse_rows(rows, layout.rows_total)
-    _check_size(start, stop, layout.row_bytes, max_bytes=settings.max_body_bytes)
-    headers = {"Content-Disposition": f'attachment; filename="{job_id}-rows-{start}-{stop}.npy"',
-               "X-Rows-Total": str(layout.rows_total), "X-Row-Shape": json.dumps(list(layout.row_shape)),
-               "Content-Length": str(result_rows.npy_size(array.dtype, (stop - start,) + layout.row_shape))}
-    return StreamingResponse(result_rows.iter_npy(array, layout, start, stop), media_type=NPY_MEDIA_TYPE,
-                             headers=headers)
+    result = open_result(store.get(job_id), sparse=True)
+    headers: dict[str, str] = {}
+    if isinstance(result, SparseResult):
+        rows_total, row_shape, row_bytes, dtype = result.rows_total, result.row_shape, result.row_bytes, result.dtype
+        headers["X-Result-Format"] = SPARSE_FORMAT
+    else:
+        layout = result_rows.layout_of(result)
+        rows_total, row_shape, row_bytes, dtype = layout.rows_total, layout.row_shape, layout.row_bytes, result.dtype
+    start, stop = result_rows.parse_rows(rows, rows_total)
+    _check_size(start, stop, row_bytes, max_bytes=settings.max_body_bytes)
+    headers |= {"Content-Disposition": f'attachment; filename="{job_id}-rows-{start}-{stop}.npy"',
+                "X-Rows-Total": str(rows_total), "X-Row-Shape": json.dumps(list(row_shape)),
+                "Content-Length": str(result_rows.npy_size(dtype, (stop - start,) + row_shape))}
+    if isinstance(result, SparseResult):
+        body = result_rows.npy_stream(dtype, (stop - start,) + row_shape, result.iter_rows(start, stop))
+    else:
+        body = result_rows.iter_npy(result, layout, start, stop)
+    return StreamingResponse(body, media_type=NPY_MEDIA_TYPE, headers=headers)
 
 
 def _check_size(start: int, stop: int, row_bytes: int, *, max_bytes: int) -> None:

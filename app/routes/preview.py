@@ -5,7 +5,8 @@ axes flattened in C order; a Hessian is ``wrt`` by ``wrt``), block-averaged to a
 per side while the Zarr array is read one storage chunk at a time (never whole). A batch Jacobian
 gives one panel per example, the first ``panels`` of them. Colours are diverging and centred on zero
 (blue negative, white zero, red positive), symmetric at the largest absolute block mean, with a
-colour bar. Drawn by matplotlib's Agg renderer (``app.heatmap``, ``app.plots``); cached per job.
+colour bar. A sparse Jacobian (stored as COO) shows its sparsity pattern instead (``app.spy``). Drawn by
+matplotlib's Agg renderer (``app.heatmap``, ``app.plots``); cached per job.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from app.errors import error_responses
 from app.heatmap import MatrixAxis, block_mean, render_heatmap
 from app.job_storage import open_result_at, result_uri
 from app.plots import placeholder
+from app.sparse import SparseResult
 from app.spectrum import render_spectrum
+from app.spy import render_pattern
 from contracts.jobspec import PRODUCT_KINDS, SPECTRAL_KINDS
 
 PNG_MEDIA_TYPE = "image/png"
@@ -122,7 +125,7 @@ def get_preview(
     panels: Annotated[int, Query(ge=1, le=16, description="batch Jacobians: examples shown, one panel each")] = 4,
     size: Annotated[int, Query(ge=16, le=1024, description="at most this many cells per side (block means)")] = 512,
 ) -> Response:
-    """A heatmap of the Jacobian (409 until the job has succeeded)."""
+    """A heatmap of the Jacobian, the sparsity pattern of a sparse one (409 until the job has succeeded)."""
     record = store.get(job_id)
     uri = result_uri(record, use="its preview can be drawn")
     key = (job_id, uri, record.finished_at, panels, size)
@@ -131,9 +134,12 @@ def get_preview(
         if hit is not None:
             _cache.move_to_end(key)
     if hit is None:
-        array = open_result_at(job_id, uri)
+        result = open_result_at(job_id, uri, sparse=True)
         with _render_slots:
-            hit = render_preview(array, kind=record.spec.get("kind"), panels=panels, size=size, job_id=job_id)
+            if isinstance(result, SparseResult):
+                hit = render_pattern(result, size=size, job_id=job_id)
+            else:
+                hit = render_preview(result, kind=record.spec.get("kind"), panels=panels, size=size, job_id=job_id)
         with _cache_lock:
             _cache[key] = hit
             while len(_cache) > CACHE_ENTRIES:
