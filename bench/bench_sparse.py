@@ -54,21 +54,25 @@ def compare(sparse_uri: str, dense_uri: str) -> dict[str, Any]:
 
     group = zarr.open_group(sparse_uri, mode="r")
     n_of, n_wrt = group.attrs["shape"]
+    of_shape = tuple(group.attrs["of_shape"])
     indptr = group["indptr"][...]
     dense = zarr.open_group(dense_uri, mode="r")["jacobian"]
-    lead = dense.shape[0]
-    per_lead = n_of // lead
-    step = max(1, 1024 // per_lead)
+    axis = 0   # slabs along the leading of axes of at most 256 MiB each
+    while axis < len(of_shape) - 1 and int(np.prod(of_shape[axis + 1:])) * n_wrt * 4 > (256 << 20):
+        axis += 1
+    slab_rows = int(np.prod(of_shape[axis + 1:]))
     worst, scale, outside = 0.0, 0.0, 0
-    for start in range(0, lead, step):
-        block = np.asarray(dense[start:start + step]).reshape(-1, n_wrt)
-        a, b = start * per_lead, start * per_lead + len(block)
+    for index in np.ndindex(*of_shape[:axis + 1]):
+        block = np.asarray(dense[index]).reshape(-1, n_wrt)
+        a = int(np.ravel_multi_index(index, of_shape[:axis + 1])) * slab_rows
+        b = a + len(block)
         lo, hi = int(indptr[a]), int(indptr[b])
         rows = np.repeat(np.arange(b - a), np.diff(indptr[a:b + 1]))
-        ours = sp.csr_array((group["values"][lo:hi], (rows, group["cols"][lo:hi])), shape=block.shape).toarray()
+        cols = group["cols"][lo:hi]
+        ours = sp.csr_array((group["values"][lo:hi], (rows, cols)), shape=block.shape).toarray()
         worst = max(worst, float(np.abs(ours - block).max()))
         scale = max(scale, float(np.abs(block).max()))
-        mask = sp.csr_array((np.ones(hi - lo, bool), (rows, group["cols"][lo:hi])), shape=block.shape).toarray()
+        mask = sp.csr_array((np.ones(hi - lo, bool), (rows, cols)), shape=block.shape).toarray()
         outside += int(np.count_nonzero(block[~mask]))
     return {"max_abs_diff": f"{worst:.3g}", "max_abs": f"{scale:.3g}", "relative": f"{worst / (scale or 1):.3g}",
             "dense_nonzeros_outside_pattern": outside}
@@ -83,12 +87,61 @@ def build(root: Path, size: int) -> tuple[Path, Path]:
     return model, inputs
 
 
+def threshold_rows(root: Path, sizes: tuple[int, ...] = (8, 10, 12, 16, 20, 24, 32)) -> list[dict[str, Any]]:
+    """Where the sparse path stops paying: conv nets (4, 4, 3 channels) whose pattern's density falls with the
+    image size (147 / (3 size^2)), in-process and warm (each timed on its second run): the dense engine's
+    whole Jacobian against the sparse path forced (pattern, colouring, products, verification, entries)."""
+    from tests.sparse_models import conv_net
+    from worker.engine import compute_in_memory, load_model
+    from worker.engine.matfree import build_operator
+    from worker.engine.sparsity import compressed
+    from worker.engine.sparsity.colouring import choose_mode, colour
+    from worker.engine.sparsity.walk import detect
+
+    rows = []
+    for size in sizes:
+        model = load_model(str(conv_net(root / f"t{size}", size=size, channels=(4, 4, 3))))
+        x = {"image": np.random.default_rng(size).standard_normal((1, size, size, 3)).astype("float32")}
+
+        def sparse(model: Any = model, x: dict[str, Any] = x) -> int:
+            pattern, _, _ = detect(model, x, of="out", wrt="image")
+            pattern = compressed.sorted_pattern(pattern)
+            c = colour(pattern, choose_mode(pattern))
+            op = build_operator(model, x, of="out", wrt="image")
+            products = compressed.compute(op, c)
+            assert compressed.verify(op, pattern, c, products)[0]
+            compressed.entries(pattern, c, products, 0, pattern.shape[0])
+            return c.count
+
+        timings = {}
+        def dense(model: Any = model, x: dict[str, Any] = x) -> Any:
+            return compute_in_memory(model, x, of="out", wrt="image")
+
+        for name, fn in (("dense", dense), ("sparse", sparse)):
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            timings[name] = time.perf_counter() - t0
+        n = size * size * 3
+        rows.append({"what": f"conv {size}x{size}x3, warm, in-process", "n": n,
+                     "density": round(147 / n if n > 147 else 1.0, 3), "dense_s": round(timings["dense"], 3),
+                     "sparse_s": round(timings["sparse"], 3),
+                     "sparse/dense": round(timings["sparse"] / timings["dense"], 2)})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="128,256")
     parser.add_argument("--skip-dense", action="store_true", help="no dense run (the 128 comparison needs it)")
+    parser.add_argument("--threshold", action="store_true", help="only the density at which sparse stops paying")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.threshold:
+        with tempfile.TemporaryDirectory() as tmp:
+            emit("sparse_threshold", threshold_rows(Path(tmp)), args.out)
+        return
     print(machine(), flush=True)
     jacobian = str(Path(sys.executable).with_name("jacobian"))
     rows: list[dict[str, Any]] = []

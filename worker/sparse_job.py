@@ -70,6 +70,8 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     from worker.engine.matfree import build_operator
     from worker.engine.sparsity import compressed
 
+    if hasattr(sparsity, "model_dump"):   # contracts.jobspec.PatternUri / PatternFrom
+        sparsity = sparsity.model_dump()
     source = source_of(sparsity)
     run = SparseRun()
     op = build_operator(model, inputs, of=of, wrt=wrt, output_dtype=output_dtype)
