@@ -76,3 +76,35 @@ def test_missing_input_file_exits_2(multi_io_model: Path, tmp_path: Path) -> Non
     proc = jacobian_cli("compute", "--model", str(multi_io_model), "--input", str(tmp_path / "none.npz"),
                         "--out", str(tmp_path / "results"))
     assert proc.returncode == 2 and "--input" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compute_sparsity_auto_then_pattern_from_and_a_dense_fallback(tmp_path: Path) -> None:
+    import scipy.sparse as sp
+
+    from tests import sparse_models
+
+    conv = sparse_models.conv_net(tmp_path / "conv", size=20, channels=(3, 2))
+    np.savez(tmp_path / "in.npz", image=np.random.default_rng(0).normal(size=(1, 20, 20, 3)).astype(np.float32))
+    out = tmp_path / "results"
+    base = ("compute", "--model", str(conv), "--input", str(tmp_path / "in.npz"), "--out", str(out))
+    first = jacobian_cli(*base, "--sparsity", "auto", "--job-id", "sp1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "verified True" in first.stderr and first.stdout.strip() == str(out / "sp1" / "result.zarr")
+    again = jacobian_cli(*base, "--sparsity", "pattern_from:sp1", "--job-id", "sp2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    groups = [zarr.open_group(str(out / j / "result.zarr"), mode="r") for j in ("sp1", "sp2")]
+    mats = [sp.coo_array((g["values"][:], (g["rows"][:], g["cols"][:])), shape=tuple(g.attrs["shape"])).toarray()
+            for g in groups]
+    np.testing.assert_array_equal(mats[0], mats[1])
+    assert groups[1].attrs["sparsity"]["source"] == "pattern_from"
+
+    mlp = sparse_models.mlp(tmp_path / "mlp")
+    np.savez(tmp_path / "x.npz", x=np.ones((1, 6), np.float32))
+    dense = jacobian_cli("compute", "--model", str(mlp), "--input", str(tmp_path / "x.npz"), "--out", str(out),
+                         "--sparsity", "auto", "--job-id", "sp3")
+    assert dense.returncode == 0, dense.stderr[-3000:]
+    assert "sparsity: dense: the pattern holds 100.0%" in dense.stderr
+    assert zarr.open_array(str(out / "sp3" / "result.zarr" / "jacobian"), mode="r").shape == (1, 3, 1, 6)
+    wrong = jacobian_cli("compute", "--model", str(mlp), "--input", str(tmp_path / "x.npz"), "--out", str(out),
+                         "--sparsity", "auto", "--kind", "hessian", "--reduce", "sum")
+    assert wrong.returncode == 2 and "--sparsity: only kind 'jacobian'" in wrong.stderr
