@@ -109,24 +109,36 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     return manifest
 
 
-def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: str, dims: dict[str, list[str]],
-              chunk_size: int | None, on_progress: Any, should_stop: Any, run_products: Any,
-              block_bytes: int | None) -> Any:
-    """Products streamed into the ``products`` array by a ``ResultWriter`` (one commit marker per storage block
-    of seeds): a retried job computes only the seeds of blocks not committed yet."""
+def products_writer(op: Any, kind: str, k: int, results_url: str, job_id: str, *, block_bytes: int | None = None,
+                    rows: tuple[int, int] | None = None, create: bool = True) -> Any:
+    """The ``ResultWriter`` of the ``products`` array of ``k`` seeds (``create``: make the group and array, keeping
+    blocks committed before; else open them, as a shard does); ``rows``: a shard's seeds."""
     from contracts.layout import ResultLayout
-    from worker.engine.errors import Stopped
     from worker.storage import ResultWriter
 
     row_shape = tuple(op.of_shape) if kind == "jvp" else tuple(op.axis.shape)
-    k = int(seeds.shape[0]) if seeds.ndim else 0
     dtype = np.dtype(op.dtype)
     layout = ResultLayout(shape=(k,) + row_shape, iter_start=0, iter_stop=1, itemsize=dtype.itemsize,
                           block_bytes=block_bytes or BLOCK_BYTES)
-    attrs = {**_attrs(op, kind), "dimension_names": dims["products"], "seeds": k}
+    attrs = {**_attrs(op, kind), "dimension_names": dimension_names(op, kind)["products"], "seeds": k}
+    return ResultWriter(results_url, job_id, layout=layout, dtype=dtype, attrs=attrs, array="products",
+                        block_bytes=block_bytes or BLOCK_BYTES, rows=rows, create=create)
+
+
+def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: str, dims: dict[str, list[str]],
+              chunk_size: int | None, on_progress: Any, should_stop: Any, run_products: Any,
+              block_bytes: int | None, rows: tuple[int, int] | None = None, create: bool = True) -> Any:
+    """Products streamed into the ``products`` array by a ``ResultWriter`` (one commit marker per storage block
+    of seeds): a retried job computes only the seeds of blocks not committed yet. ``rows``/``create``: a
+    shard's seeds, written into the array its planner made."""
+    from worker.engine.errors import Stopped
+
+    del dims
+    k = int(seeds.shape[0]) if seeds.ndim else 0
+    dtype = np.dtype(op.dtype)
+    writer = products_writer(op, kind, k, results_url, job_id, block_bytes=block_bytes, rows=rows, create=create)
+    row_shape = writer.layout.row_shape
     result, spent = None, dict.fromkeys(("jvp", "vjp", "hvp", "checks"), 0)
-    writer = ResultWriter(results_url, job_id, layout=layout, dtype=dtype, attrs=attrs, array="products",
-                          block_bytes=block_bytes)
     try:
         done = writer.rows_committed
         for start, stop in writer.pending_ranges():
@@ -135,7 +147,7 @@ def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: s
 
             def progress(seeds_done: int, _total: int | None, before: int = done) -> None:
                 if on_progress is not None:
-                    on_progress(before + seeds_done, k)
+                    on_progress(before + seeds_done, writer.rows_total)
 
             result = run_products(op, kind, seeds[start:stop], chunk_size=chunk_size, progress=progress,
                                   should_stop=should_stop, on_chunk=keep)
@@ -197,3 +209,43 @@ def _missing(field: str, kind: str) -> Exception:
     what = {"seeds": "the vectors to multiply, shape (k,) + wrt.shape (jvp, hvp) or (k,) + of.shape (vjp)",
             "rank": "how many singular values or eigenpairs, e.g. 5"}[field]
     return InvalidRequest(f"{field}: kind {kind!r} needs {field}: {what}", field=field)
+
+
+def compute_products_shard(op: Any, kind: str, seeds: np.ndarray, *, results_url: str, job_id: str,
+                           rows: tuple[int, int], block_bytes: int | None = None, chunk_size: int | None = None,
+                           on_progress: Callable[[int, int | None], None] | None = None,
+                           should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
+    """One shard of a sharded product job: seeds ``rows`` into the ``products`` array its planner created
+    (``products_writer(create=True)``), resuming from the committed blocks; returns the products spent."""
+    from worker.engine.matfree import run_products
+
+    result, _ = _products(op, kind, np.asarray(seeds), results_url, job_id, {}, chunk_size, on_progress,
+                          should_stop, run_products, block_bytes, rows=rows, create=False)
+    return dict(result.products)
+
+
+def finish_products(results_url: str, job_id: str, *, plan: dict[str, Any], created_at: float | None = None,
+                    manifest_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The finalizer's part for a sharded product job: every block committed (else ``RuntimeError``), the group
+    sealed with ``plan``, ``manifest.json`` last; returns the manifest. Needs no model."""
+    from worker.storage import ResultWriter
+
+    writer = ResultWriter.open_existing(results_url, job_id, array="products")
+    missing = writer.missing_blocks()
+    if missing:
+        writer.abort()
+        raise RuntimeError(f"manifest: blocks {[b.index for b in missing][:10]} are not committed")
+    writer.close()
+    attrs = writer.attrs
+    finished, created = iso_time(time.time()), iso_time(created_at or time.time())
+    shape = list(writer.layout.shape)
+    result_group.seal(writer.group_url, {"plan": jsonable(plan), "created_at": created, "finished_at": finished})
+    manifest = {"id": job_id, "uri": writer.group_url, "format": "zarr-v3", "array": "products",
+                "kind": attrs.get("kind"), "shape": shape, "dtype": writer.dtype.name, "arrays": {"products": shape},
+                "plan": plan, "of": attrs.get("of"), "wrt": attrs.get("wrt"), "wrt_slices": attrs.get("wrt_slices"),
+                "model": {"path": attrs.get("model"), "signature": attrs.get("signature")},
+                "created_at": created, "finished_at": finished,
+                **{k: v for k, v in (manifest_fields or {}).items() if v is not None}}
+    storage.write_bytes(storage.join(storage.normalize(job_url(results_url, job_id)), MANIFEST),
+                        json.dumps(jsonable(manifest), indent=2, sort_keys=True).encode())
+    return manifest

@@ -136,12 +136,13 @@ class ResultWriter:
         """A writer on the job's existing array, its layout read from the array's attributes.
 
         No engine or model needed (the finalizer of a sharded job uses it to check the commit markers
-        and write the manifest). Raises ``FileNotFoundError`` when there is no array.
+        and write the manifest). ``array``: ``products`` for a product job. Raises ``FileNotFoundError``
+        when there is no array.
         """
         url = storage.join(storage.normalize(job_url(results_url, job_id)), RESULT_GROUP)
         try:
             group = storage.open_group(url, mode="r")
-            arr = group[JACOBIAN_ARRAY]
+            arr = group[kwargs.get("array", JACOBIAN_ARRAY)]
         except (KeyError, ValueError) as err:
             raise FileNotFoundError(f"result: no readable result group at {url} ({err})") from err
         return cls(results_url, job_id, layout=ResultLayout.of_array(arr), dtype=arr.dtype, attrs=dict(group.attrs),

@@ -138,3 +138,30 @@ def test_the_python_client_sends_seeds_and_several_wrt(client, redis_conn, model
                         tape_jacobian(model, {"x": X}, "y", "variables/w").reshape(12, 20)], axis=1)
     np.testing.assert_allclose(ds["products"].values, seeds.reshape(2, 12) @ J, rtol=1e-10, atol=1e-12)
     assert lazy.shape == (2, 35)
+
+
+def test_products_split_into_shards_equal_the_unsharded_products(worker_env, redis_conn, model_root):
+    """A vjp job of 50 seeds in blocks of 10 seeds, ``shards: 3``: three rq shards and a finalizer; the products
+    equal the unsharded job's to rounding (a shard's calls hold other numbers of seeds, which moves the last
+    bit), and each shard's plan is kept."""
+    import xarray as xr
+
+    from app.main import create_app
+
+    worker_env(10 * 15 * 8)   # a seed's product: 15 float64
+    seeds = np.random.default_rng(5).normal(size=(50, 3, 4))
+    spec = {"shape": [50, 3, 4], "dtype": "float64", "data": seeds.ravel().tolist()}
+    with TestClient(create_app()) as client:
+        sharded = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="vjp", seeds=spec, shards=3))
+        whole = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="vjp", seeds=spec, shards=1))
+        assert sharded.status_code == whole.status_code == 202, sharded.text
+        a = finished(client, redis_conn, sharded.json()["id"])
+        b = finished(client, redis_conn, whole.json()["id"])
+    assert a["plan"]["shards"] == 3 and len(a["plan"]["shard_plans"]) == 3, a["plan"]
+    assert all(p["products"]["vjp"] >= 10 for p in a["plan"]["shard_plans"])
+    assert a["result"]["shape"] == b["result"]["shape"] == [50, 3, 5]
+    got, want = (xr.open_zarr(r["result"]["uri"])["products"].values for r in (a, b))
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15)
+    model = load_model(str(model_root / "f64"))
+    J = tape_jacobian(model, {"x": X}, "y", "x").reshape(12, 15)
+    np.testing.assert_allclose(got.reshape(50, 15), seeds.reshape(50, 12) @ J, rtol=1e-10)

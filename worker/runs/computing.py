@@ -34,23 +34,30 @@ class ComputingAttempt(Attempt):
                        kind=job.kind.value, mode=job.mode.value, reduce=job.reduce,
                        check_independence=job.check_independence, output_dtype=job.output_dtype, plan=plan)
 
-    def compute_matrix_free(self, record: Any) -> dict[str, Any]:
-        """A matrix-free job (``worker.matfree_job``) with progress in seeds or iterations; returns the manifest."""
-        import time
-
+    def matrix_free_operator(self) -> tuple[Any, Any]:
+        """The job's ``worker.engine.matfree.Operator`` (memory planned) and its seeds (None for the spectra)."""
         from contracts.jobspec import SEEDS_MEMBER
-        from contracts.records import Progress
         from worker.engine.matfree import build_operator
-        from worker.matfree_job import compute_matfree_to_storage
         from worker.model_cache import get_model
 
-        job, store = self.job, self.store
+        job = self.job
         inputs = load_inputs(job.inputs_uri, settings=self.settings)
         seeds = inputs.pop(SEEDS_MEMBER, None)
         model = get_model(check_model_path(job.model.path, self.settings.model_roots), job.model.signature)
         op = build_operator(model, inputs, of=job.of, wrt=job.wrt, kind=job.kind.value, reduce=job.reduce,
                             output_dtype=job.output_dtype)
         op.plan_memory(self.probe, effective_budget(job.memory_budget_bytes, self.settings.memory_budget_bytes))
+        return op, seeds
+
+    def compute_matrix_free(self, record: Any) -> dict[str, Any]:
+        """A matrix-free job (``worker.matfree_job``) with progress in seeds or iterations; returns the manifest."""
+        import time
+
+        from contracts.records import Progress
+        from worker.matfree_job import compute_matfree_to_storage
+
+        job, store = self.job, self.store
+        op, seeds = self.matrix_free_operator()
         started = time.monotonic()
 
         def on_progress(done: int, total: int | None) -> None:

@@ -6,9 +6,10 @@ import logging
 import time
 from typing import Any
 
-from contracts.jobspec import JobStatus, shard_job_id
+from contracts.jobspec import PRODUCT_KINDS, JobStatus, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord
 from contracts.records import Progress
+from worker.matfree_job import finish_products
 from worker.pipeline import manifest_fields_for
 from worker.runs.attempt import Attempt, remove_partial
 from worker.sharding import ShardPlan
@@ -52,7 +53,8 @@ class Finalizer(Attempt):
 
     def _finish(self, record: JobRecord, split: ShardPlan | None) -> dict[str, Any]:
         job, store = self.job, self.store
-        writer = ResultWriter.open_existing(job.results_url, job.id)
+        products = job.kind.value in PRODUCT_KINDS
+        writer = ResultWriter.open_existing(job.results_url, job.id, array="products" if products else "jacobian")
         missing = writer.missing_blocks()
         if missing:
             writer.abort()
@@ -61,10 +63,15 @@ class Finalizer(Attempt):
         # The job's plan is the planner's (strategy, mode, shards); each shard's own run plan (chunk rows,
         # memory) is listed beside it, in shard order: no shard's plan stands for the others.
         plan = {**record.plan, "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
-        fields = manifest_fields_for(writer.attrs, plan=plan, created_at=record.created_at,
-                                     model={"path": job.model.path, "signature": job.model.signature})
-        writer.write_manifest(fields)
-        manifest = {**writer.manifest_base(), **fields}
+        model = {"path": job.model.path, "signature": job.model.signature}
+        if products:
+            writer.close()
+            manifest = finish_products(job.results_url, job.id, plan=plan, created_at=record.created_at,
+                                       manifest_fields={"model": model})
+        else:
+            fields = manifest_fields_for(writer.attrs, plan=plan, created_at=record.created_at, model=model)
+            writer.write_manifest(fields)
+            manifest = {**writer.manifest_base(), **fields}
         result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
         now = time.time()
         rows_total = split.rows_total if split and split.rows_total else writer.layout.rows_total

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from contracts.jobspec import JobStatus
+from contracts.jobspec import PRODUCT_KINDS, JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, merge_shard_progress
 from contracts.records import Progress
 from worker.pipeline import at_least
@@ -66,6 +66,13 @@ class JobRun(ComputingAttempt):
     def _compute(self, record: JobRecord) -> dict[str, Any]:
         job, store = self.job, self.store
         if job.kind.matrix_free:
+            if job.kind.value in PRODUCT_KINDS and (job.shards or 1) > 1 and job.rows is None:
+                stored = store.shard_plan(job.id)
+                if stored is not None and int(stored.get("shards") or 1) > 1:  # an earlier attempt split it
+                    return self._fan_out(ShardPlan.from_json(stored))
+                split = self._split_products()
+                if split is not None:
+                    return split
             return self._succeed(self.compute_matrix_free(record))
         sparsity = None   # plan.sparsity of a sparse job computed densely
         if getattr(job, "sparsity", None) is not None:
@@ -171,6 +178,25 @@ class JobRun(ComputingAttempt):
                     self.store.update_shard_progress(job.id, i, Progress.of(rows, hi - lo, 0.0).model_dump(),
                                                      computed_rows=rows)
         return self._fan_out(stored)
+
+    def _split_products(self) -> dict[str, Any] | None:
+        """A product job with ``shards`` > 1: the ``products`` array created, its seeds split on storage blocks
+        into shards (``worker.matfree_job.compute_products_shard``), the finalizer after them; None when the
+        seeds fill a single block (computed in one piece)."""
+        from worker.matfree_job import products_writer
+
+        job = self.job
+        op, seeds = self.matrix_free_operator()
+        k = len(op._seeds(job.kind.value, seeds)) if seeds is not None else 0  # checked: InvalidRequest names seeds
+        writer = products_writer(op, job.kind.value, k, job.results_url, job.id, block_bytes=self.settings.block_bytes)
+        writer.close()
+        shards = choose_shards(job.shards, blocks=len(writer.blocks), live_workers=None, estimated_seconds=0.0,
+                               min_shard_seconds=self.settings.shard_min_seconds)
+        if shards < 2:
+            return None
+        split = ShardPlan(shards=shards, ranges=[list(r) for r in split_rows(writer.blocks, shards)], rows_total=k,
+                          strategy="matrix-free", block_bytes=writer.layout.block_bytes, mode=job.kind.value)
+        return self._fan_out(ShardPlan.from_json(self.store.set_shard_plan(job.id, split.to_json())))
 
     def _queue(self) -> Any:
         from rq import Queue
