@@ -59,3 +59,18 @@ class RedisPlanCache:
 def worker_plan_cache(connection: Any, cache_dir: str | None) -> PlanCache:
     """Redis first (shared by the service's workers), then this worker's cache folder."""
     return TieredPlanCache(RedisPlanCache(connection), DiskPlanCache(cache_dir))
+
+
+class RedisBlobs:
+    """Bytes by key in Redis for every worker of the service (the sparsity patterns of
+    ``worker.engine.sparsity.patterns``), kept ``ttl_s`` after their last write."""
+
+    def __init__(self, connection: Any, *, prefix: str = "jacobian:sparsity:", ttl_s: int = 30 * 24 * 3600) -> None:
+        self.connection, self.prefix, self.ttl_s = connection, prefix, ttl_s
+
+    def get(self, key: str) -> bytes | None:
+        raw = self.connection.get(self.prefix + key)
+        return bytes(raw) if raw is not None else None
+
+    def put(self, key: str, data: bytes) -> None:
+        self.connection.set(self.prefix + key, data, ex=self.ttl_s)

@@ -63,10 +63,11 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
                               on_progress: Callable[[int, int], None] | None = None,
                               should_stop: Callable[[], bool] | None = None,
                               previous: Callable[[str], Any] | None = None,
-                              created_at: float | None = None,
+                              shared_cache: Any = None, created_at: float | None = None,
                               manifest_fields: dict[str, Any] | None = None) -> dict[str, Any] | DenseInstead:
     """The sparse Jacobian of ``of`` w.r.t. the input ``wrt``; ``previous(job_id)`` gives an earlier job's
-    result group URL (``pattern_from``). Raises ``EngineError`` (``InvalidRequest`` naming ``sparsity``)."""
+    result group URL (``pattern_from``); ``shared_cache``: detected patterns shared by the workers
+    (``patterns.SharedBlobs``). Raises ``EngineError`` (``InvalidRequest`` naming ``sparsity``)."""
     from worker.engine.matfree import build_operator
     from worker.engine.sparsity import compressed
 
@@ -79,7 +80,8 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     wrt_name = op.axis.names[0]
     n_of, n_wrt = op.n_of, op.n_wrt
     t0 = time.monotonic()
-    pattern, colouring, reason = _pattern(model, op, inputs, sparsity, source, (n_of, n_wrt), cache_dir, previous,
+    cache = _cache(cache_dir, shared_cache)
+    pattern, colouring, reason = _pattern(model, op, inputs, sparsity, source, (n_of, n_wrt), cache, previous,
                                           wrt_name)
     run.timed("pattern", t0)
     if pattern is None:
@@ -89,7 +91,7 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     sp_plan = compressed.plan(pattern, colouring)
     run.timed("colouring", t0)
     if source == "auto" and colouring is None and sp_plan.colouring is not None:
-        _cache(cache_dir).put(_key(model, op, inputs, wrt_name), pattern, tuple(op.of_shape), sp_plan.colouring)
+        cache.put(_key(model, op, inputs, wrt_name), pattern, tuple(op.of_shape), sp_plan.colouring)
     summary = sp_plan.summary(source)
     if not sp_plan.sparse:
         return DenseInstead({**summary, "seconds": run.seconds})
@@ -126,10 +128,10 @@ def _check_wrt(op: Any) -> None:
                              "not variables or a list", field="sparsity")
 
 
-def _cache(cache_dir: str | None) -> Any:
+def _cache(cache_dir: str | None, shared: Any = None) -> Any:
     from worker.engine.sparsity.patterns import PatternCache
 
-    return PatternCache(cache_dir)
+    return PatternCache(cache_dir, shared)
 
 
 def _key(model: Any, op: Any, inputs: dict[str, Any], wrt: str) -> str:
@@ -139,14 +141,14 @@ def _key(model: Any, op: Any, inputs: dict[str, Any], wrt: str) -> str:
 
 
 def _pattern(model: Any, op: Any, inputs: dict[str, Any], sparsity: Any, source: str, shape: tuple[int, int],
-             cache_dir: str | None, previous: Callable[[str], Any] | None,
+             cache: Any, previous: Callable[[str], Any] | None,
              wrt: str) -> tuple[Any, Any, str]:
     """``(pattern, colouring or None, "")``, or ``(None, None, why)`` when detection could not find it."""
     from worker.engine.sparsity import patterns, walk
 
     if source == "auto":
         key = _key(model, op, inputs, wrt)
-        hit = _cache(cache_dir).get(key)
+        hit = cache.get(key)
         if hit is not None and hit[0].shape == shape:
             return hit[0], hit[2], ""
         try:

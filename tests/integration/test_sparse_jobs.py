@@ -101,3 +101,30 @@ def test_a_dense_pattern_is_computed_densely_and_says_why(client, redis_conn, mo
     rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "0:3"})
     np.testing.assert_allclose(np.load(io.BytesIO(rows.content)).reshape(3, 6),
                                dense(model_root, "mlp", {"x": X[:1]}, "y", "x"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_detected_pattern_is_shared_through_redis(worker_env, redis_conn, model_root, monkeypatch, tmp_path):
+    """A second worker (its own empty cache folder) takes the pattern the first detected from Redis."""
+    from app.main import create_app
+    from worker.engine.sparsity import walk
+
+    worker_env(1 << 20, CACHE_DIR=str(tmp_path / "first"))
+    for key in redis_conn.scan_iter("jacobian:sparsity:*"):
+        redis_conn.delete(key)
+    body = {"model": {"path": "conv"}, "inputs": {"image": tensor(IMAGE * 3)}, "sparsity": "auto"}
+    with TestClient(create_app()) as client:
+        first = finished(client, redis_conn, client.post("/v1/jobs", json=body).json()["id"])
+    assert list(redis_conn.scan_iter("jacobian:sparsity:*")), "the pattern was not shared"
+    assert list((tmp_path / "first" / "sparsity").glob("*.npz"))
+
+    def no_detect(*args, **kwargs):
+        raise AssertionError("the shared pattern should have been used")
+
+    monkeypatch.setattr(walk, "detect", no_detect)
+    worker_env(1 << 20, CACHE_DIR=str(tmp_path / "second"))
+    with TestClient(create_app()) as client:
+        second = finished(client, redis_conn, client.post("/v1/jobs", json={**body, "inputs": {
+            "image": tensor(IMAGE * 4)}}).json()["id"])
+    assert second["plan"]["sparsity"]["nnz"] == first["plan"]["sparsity"]["nnz"]
+    assert second["plan"]["sparsity"]["verified"] is True
+    assert list((tmp_path / "second" / "sparsity").glob("*.npz"))   # kept in the second worker's folder too

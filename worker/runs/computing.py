@@ -83,6 +83,7 @@ class ComputingAttempt(Attempt):
         from contracts.records import Progress
         from worker.engine.plan_cache import default_cache_dir
         from worker.model_cache import get_model
+        from worker.plan_store import RedisBlobs
         from worker.sparse_job import DenseInstead, compute_sparse_to_storage
 
         job, store = self.job, self.store
@@ -108,7 +109,8 @@ class ComputingAttempt(Attempt):
             budget_bytes=effective_budget(job.memory_budget_bytes, self.settings.memory_budget_bytes),
             chunk_size=job.chunk_rows, cache_dir=str(self.settings.cache_dir or default_cache_dir()),
             output_dtype=job.output_dtype, on_progress=on_progress,
-            should_stop=lambda: store.is_cancel_requested(job.id), previous=previous, created_at=record.created_at,
+            should_stop=lambda: store.is_cancel_requested(job.id), previous=previous,
+            shared_cache=RedisBlobs(store.connection), created_at=record.created_at,
             manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}})
         if isinstance(outcome, DenseInstead):
             return {"dense_instead": outcome.sparsity}

@@ -1,7 +1,8 @@
 """Where a job's sparsity pattern comes from (``sparsity`` option), and the cache of detected ones.
 
 - ``"auto"``: ``walk.detect``, cached with its colouring in the local cache folder (``JACOBIAN_CACHE_DIR``,
-  ``sparsity/<key>.npz``), keyed by the model fingerprint, signature, ``of``, ``wrt``, the inputs' shapes and
+  ``sparsity/<key>.npz``) and, in the service, in Redis for every worker (``SharedBlobs``), keyed by the
+  model fingerprint, signature, ``of``, ``wrt``, the inputs' shapes and
   dtypes and a hash of the other inputs' values (they may steer gathers);
 - ``{"pattern_uri": url}``: an ``.npz`` with int arrays ``rows`` and ``cols`` (flat indices of J as the 2-d
   ``(n_of, n_wrt)`` matrix);
@@ -17,7 +18,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -76,45 +77,91 @@ def cache_key(model: Any, inputs: dict[str, Any], *, of: str, wrt: str) -> str:
     return h.hexdigest()[:40]
 
 
-class PatternCache:
-    """Detected patterns and their colourings as ``.npz`` files in ``root/sparsity`` (None: no cache)."""
+SHARED_MAX_BYTES = 64 << 20   # larger patterns stay in the worker's own folder
 
-    def __init__(self, root: str | os.PathLike[str] | None) -> None:
+
+class SharedBlobs(Protocol):
+    """A cache shared by the service's workers (``worker.plan_store.RedisBlobs``): bytes by key."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+
+def encode(pattern: Any, of_shape: tuple[int, ...], colouring: Colouring | None) -> bytes:
+    """A pattern (CSR indices), ``of``'s shape and the colouring as a compressed ``.npz``."""
+    extra: dict[str, Any] = {}
+    if colouring is not None:
+        extra = {"colours": colouring.colours, "mode": np.str_(colouring.mode), "count": colouring.count}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, indptr=pattern.indptr, indices=pattern.indices, shape=np.asarray(pattern.shape),
+                        of_shape=np.asarray(of_shape, np.int64), **extra)
+    return buf.getvalue()
+
+
+def decode(raw: bytes) -> tuple[Any, tuple[int, ...], Colouring | None]:
+    import scipy.sparse as sp
+
+    with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+        pattern = sp.csr_array((np.ones(len(npz["indices"]), bool), npz["indices"], npz["indptr"]),
+                               shape=tuple(int(d) for d in npz["shape"]))
+        of_shape = tuple(int(d) for d in npz["of_shape"])
+        colouring = None
+        if "colours" in npz.files:
+            colouring = Colouring(str(npz["mode"]), npz["colours"], int(npz["count"]))
+    return pattern, of_shape, colouring
+
+
+class PatternCache:
+    """Detected patterns and their colourings: ``.npz`` files in ``root/sparsity`` (None: no folder), and in
+    ``shared`` (Redis, for every worker of the service) when at most ``SHARED_MAX_BYTES`` compressed."""
+
+    def __init__(self, root: str | os.PathLike[str] | None, shared: SharedBlobs | None = None) -> None:
         self.root = None if root is None else Path(root) / "sparsity"
+        self.shared = shared
 
     def get(self, key: str) -> tuple[Any, tuple[int, ...], Colouring | None] | None:
-        """``(pattern, of_shape, colouring or None)`` or None."""
-        import scipy.sparse as sp
-
-        if self.root is None:
+        """``(pattern, of_shape, colouring or None)`` or None: the folder first, then the shared cache (whose
+        hit is kept in the folder)."""
+        raw = None
+        if self.root is not None:
+            try:
+                raw = (self.root / f"{key}.npz").read_bytes()
+            except OSError:
+                raw = None
+        from_shared = False
+        if raw is None and self.shared is not None:
+            try:
+                raw, from_shared = self.shared.get(key), True
+            except Exception as err:  # noqa: BLE001 - the shared cache is an optimisation
+                log.warning("sparsity cache: the shared cache failed (%s)", err)
+        if raw is None:
             return None
-        path = self.root / f"{key}.npz"
         try:
-            with np.load(path, allow_pickle=False) as npz:
-                pattern = sp.csr_array((np.ones(len(npz["indices"]), bool), npz["indices"], npz["indptr"]),
-                                       shape=tuple(int(d) for d in npz["shape"]))
-                of_shape = tuple(int(d) for d in npz["of_shape"])
-                colouring = None
-                if "colours" in npz.files:
-                    colouring = Colouring(str(npz["mode"]), npz["colours"], int(npz["count"]))
-        except FileNotFoundError:
+            hit = decode(raw)
+        except Exception as err:  # noqa: BLE001 - a damaged entry is a miss, and is replaced
+            log.warning("sparsity cache %s unreadable (%s): detecting again", key, err)
             return None
-        except Exception as err:  # noqa: BLE001 - a damaged cache file is a miss, and is replaced
-            log.warning("sparsity cache %s unreadable (%s): detecting again", path, err)
-            return None
-        return pattern, of_shape, colouring
+        if from_shared:
+            self._write(key, raw)
+        return hit
 
     def put(self, key: str, pattern: Any, of_shape: tuple[int, ...], colouring: Colouring | None) -> None:
+        raw = encode(pattern, of_shape, colouring)
+        self._write(key, raw)
+        if self.shared is not None and len(raw) <= SHARED_MAX_BYTES:
+            try:
+                self.shared.put(key, raw)
+            except Exception as err:  # noqa: BLE001 - the shared cache is an optimisation
+                log.warning("sparsity cache: the shared cache failed (%s)", err)
+
+    def _write(self, key: str, raw: bytes) -> None:
         if self.root is None:
             return
-        extra: dict[str, Any] = {}
-        if colouring is not None:
-            extra = {"colours": colouring.colours, "mode": np.str_(colouring.mode), "count": colouring.count}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / f".{key}.{os.getpid()}.npz"
-            np.savez(tmp, indptr=pattern.indptr, indices=pattern.indices, shape=np.asarray(pattern.shape),
-                     of_shape=np.asarray(of_shape, np.int64), **extra)
+            tmp.write_bytes(raw)
             os.replace(tmp, self.root / f"{key}.npz")
         except OSError as err:
             log.warning("sparsity cache %s not written: %s", self.root, err)
