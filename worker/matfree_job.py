@@ -141,6 +141,8 @@ def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: s
     result, spent = None, dict.fromkeys(("jvp", "vjp", "hvp", "checks"), 0)
     try:
         done = writer.rows_committed
+        if on_progress is not None:   # the resume point first, so a caller counting deltas counts this attempt's
+            on_progress(done, writer.rows_total)
         for start, stop in writer.pending_ranges():
             def keep(offset: int, rows: np.ndarray, start: int = start) -> None:
                 writer.write_rows(start + offset, np.asarray(rows, dtype).reshape((len(rows),) + row_shape))
@@ -239,7 +241,14 @@ def finish_products(results_url: str, job_id: str, *, plan: dict[str, Any], crea
     attrs = writer.attrs
     finished, created = iso_time(time.time()), iso_time(created_at or time.time())
     shape = list(writer.layout.shape)
-    result_group.seal(writer.group_url, {"plan": jsonable(plan), "created_at": created, "finished_at": finished})
+    spent: dict[str, int] = {}
+    for shard in plan.get("shard_plans") or []:
+        for name, count in (shard.get("products") or {}).items():
+            spent[name] = spent.get(name, 0) + int(count)
+    plan = {**plan, "kind": attrs.get("kind"), "products": spent}
+    result_group.seal(writer.group_url, {"plan": jsonable(plan), "created_at": created, "finished_at": finished,
+                                         "method": "products in shards", "products": spent,
+                                         "seeds": shape[0] if shape else 0})
     manifest = {"id": job_id, "uri": writer.group_url, "format": "zarr-v3", "array": "products",
                 "kind": attrs.get("kind"), "shape": shape, "dtype": writer.dtype.name, "arrays": {"products": shape},
                 "plan": plan, "of": attrs.get("of"), "wrt": attrs.get("wrt"), "wrt_slices": attrs.get("wrt_slices"),

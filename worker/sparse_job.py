@@ -95,6 +95,12 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     summary = sp_plan.summary(source)
     if not sp_plan.sparse:
         return DenseInstead({**summary, "seconds": run.seconds})
+    held = sp_plan.colouring.count * (n_of + n_wrt) * np.dtype(op.compute_dtype).itemsize
+    host = _host_free(probe)
+    if host is not None and held > host // 4:
+        summary["fallback"] = (f"dense: the compressed products and seeds would hold {held >> 20} MiB of host "
+                               f"memory, over a quarter of the {host >> 20} MiB free")
+        return DenseInstead({**summary, "seconds": run.seconds})
     pattern = compressed.sorted_pattern(pattern)
     if probe is not None:
         if budget_bytes is None and not getattr(probe, "is_gpu", False):
@@ -118,6 +124,13 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     manifest = _write(op, pattern, sp_plan.colouring, products, summary, results_url=results_url, job_id=job_id,
                       created_at=created_at, manifest_fields=manifest_fields, run=run)
     return manifest
+
+
+def _host_free(probe: Any) -> int | None:
+    try:
+        return int(probe.host_free_bytes()) if probe is not None else None
+    except Exception:  # noqa: BLE001 - no reading: no bound
+        return None
 
 
 def _check_wrt(op: Any) -> None:
@@ -155,6 +168,13 @@ def _pattern(model: Any, op: Any, inputs: dict[str, Any], sparsity: Any, source:
             pattern, _, _ = walk.detect(model, {n: np.asarray(v) for n, v in inputs.items()}, of=op.of, wrt=wrt)
         except walk.PatternUnknown as err:
             return None, None, f"dense: {err}"
+        except MemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - detection failed in a way no rule foresaw: never a guess
+            log.warning("sparsity: pattern detection failed: %s", err, exc_info=True)
+            return None, None, f"dense: pattern detection failed ({type(err).__name__}: {str(err)[:200]})"
+        if pattern.shape != shape:
+            return None, None, f"dense: the detected pattern is {pattern.shape}, not {shape}"
         return pattern, None, ""
     if source == "pattern_uri":
         url = str(sparsity["pattern_uri"])

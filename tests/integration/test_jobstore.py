@@ -91,7 +91,8 @@ def test_a_writer_that_dies_after_one_command_leaves_a_terminal_record_with_its_
     monkeypatch.undo()
 
     record = store.get(job_id)
-    assert (record.status, record.result, record.error, record.finished_at) == (S, result.model_dump(exclude_none=True), None, 123.5)
+    stored = result.model_dump(exclude_none=True)
+    assert (record.status, record.result, record.error, record.finished_at) == (S, stored, None, 123.5)
     assert 0 < redis_conn.ttl(store.key(job_id)) <= TTL_S and 0 < redis_conn.ttl(store.shards_key(job_id)) <= TTL_S
 
 

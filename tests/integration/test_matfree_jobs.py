@@ -159,6 +159,8 @@ def test_products_split_into_shards_equal_the_unsharded_products(worker_env, red
         b = finished(client, redis_conn, whole.json()["id"])
     assert a["plan"]["shards"] == 3 and len(a["plan"]["shard_plans"]) == 3, a["plan"]
     assert all(p["products"]["vjp"] >= 10 for p in a["plan"]["shard_plans"])
+    assert a["plan"]["products"]["vjp"] >= 50 and a["plan"]["kind"] == "vjp"
+    assert a["progress"]["rows_done"] == 50 and a["progress"]["rows_per_second"] > 0   # every shard's seeds counted
     assert a["result"]["shape"] == b["result"]["shape"] == [50, 3, 5]
     got, want = (xr.open_zarr(r["result"]["uri"])["products"].values for r in (a, b))
     np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15)

@@ -68,6 +68,7 @@ class Finalizer(Attempt):
             writer.close()
             manifest = finish_products(job.results_url, job.id, plan=plan, created_at=record.created_at,
                                        manifest_fields={"model": model})
+            plan = manifest["plan"]   # with the products summed over the shards
         else:
             fields = manifest_fields_for(writer.attrs, plan=plan, created_at=record.created_at, model=model)
             writer.write_manifest(fields)

@@ -49,6 +49,8 @@ def choose_mode(pattern: object) -> str:
 def colour(pattern: object, mode: str, *, limit: int | None = None) -> Colouring | None:
     """Greedy distance-2 colouring of ``pattern``'s columns (``forward``) or rows (``reverse``); None when it
     needs more than ``limit`` colours (the dense path is cheaper then)."""
+    if limit is not None and lower_bounds(pattern)[0 if mode == "forward" else 1] > limit:
+        return None
     matrix = pattern.tocsc() if mode == "forward" else pattern.tocsr()
     # "lines" are what gets coloured (columns in forward mode); "cells" the other side (rows)
     n_lines = matrix.shape[1] if mode == "forward" else matrix.shape[0]

@@ -27,7 +27,7 @@ from worker.engine.sparsity.colouring import Colouring
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1   # of the cached files: bumped when detection changes what it finds
+FORMAT = 2   # of the cached files: bumped when detection changes what it finds
 
 
 def from_entries(rows: Any, cols: Any, shape: tuple[int, int], *, field: str) -> Any:
@@ -66,9 +66,11 @@ def read_npz(raw: bytes, shape: tuple[int, int], *, field: str) -> Any:
 
 def cache_key(model: Any, inputs: dict[str, Any], *, of: str, wrt: str) -> str:
     """The detected pattern's key: model, signature, of, wrt, input shapes and dtypes, other inputs' values."""
+    import tensorflow as tf
+
     h = hashlib.sha256()
-    h.update(json.dumps([FORMAT, model.fingerprint, model.path if not model.fingerprint else "", model.signature,
-                         of, wrt]).encode())
+    h.update(json.dumps([FORMAT, tf.__version__, model.fingerprint, model.path if not model.fingerprint else "",
+                         model.signature, of, wrt]).encode())
     for name in sorted(inputs):
         value = np.asarray(inputs[name])
         h.update(f"|{name}:{value.dtype.str}:{value.shape}".encode())

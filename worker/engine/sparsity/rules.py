@@ -42,14 +42,21 @@ Unpack
 
 SHAPES = frozenset(("Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"))
 WINDOWS = frozenset(("Conv2D", "DepthwiseConv2dNative", "MaxPool", "AvgPool"))
+BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"))
 MATMULS = frozenset(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"))
 
 
 def apply(op: Any, ins: list[State]) -> list[State]:
     """Output states of ``op``, some of whose inputs are ``Dep``."""
+    from worker.engine.sparsity.walk import CONTROL_FLOW
+
     if op.type == "IdentityN":
         return list(ins)
+    if op.type == "Print":   # tf.compat.v1.Print: its first input, printed
+        return [ins[0]]
+    if op.type in CONTROL_FLOW:   # never run on stand-ins (a loop may not end): static shapes, conservative
+        return conservative(op, ins)
     try:
         outs = run_op(op, substitutes(ins))
     except PatternUnknown:
@@ -62,6 +69,13 @@ def apply(op: Any, ins: list[State]) -> list[State]:
     shapes = [tuple(np.shape(v)) for v in outs]
     floats = [t.dtype.is_floating or t.dtype.is_complex for t in op.outputs]
     patterns = _patterns(op, ins, shapes)
+    if any(f and p is None for f, p in zip(floats, patterns)) and op.type not in BATCH_NORMS:
+        fill = iter(conservative_patterns(ins, [sh for sh, f, p in zip(shapes, floats, patterns) if f and p is None]))
+        patterns = [next(fill) if f and p is None else p for f, p in zip(floats, patterns)]
+    for shape, p in zip(shapes, patterns):
+        if p is not None and p.shape[0] != math.prod(shape):
+            raise PatternUnknown(f"sparsity: the rule of {op.type} ({op.name}) gave {p.shape[0]} rows for "
+                                 f"{math.prod(shape)} elements")
     return [Dep(shape, p, t.dtype) if f and p is not None else Opaque(shape, t.dtype)
             for shape, p, f, t in zip(shapes, patterns, floats, op.outputs)]
 
@@ -81,7 +95,7 @@ def _patterns(op: Any, ins: list[State], shapes: list[tuple[int, ...]]) -> list[
             return [reduction(op, ins[0], np.asarray(ins[1].value), shapes[0])]
         if kind in ("Softmax", "LogSoftmax"):
             return [last_axis(ins[0])]
-        if kind.startswith("FusedBatchNorm") and not op.get_attr("is_training") and isinstance(ins[0], Dep) \
+        if kind in BATCH_NORMS and not op.get_attr("is_training") and isinstance(ins[0], Dep) \
                 and not any(isinstance(s, Dep) for s in ins[1:]):
             return [ins[0].pattern] + [None] * (len(shapes) - 1)
     except _NoRule:
@@ -125,6 +139,9 @@ def _rows(pattern: Any, index: np.ndarray) -> Any:
     import scipy.sparse as sp
 
     index = np.asarray(index, np.int64).ravel()
+    counts = np.diff(pattern.indptr)
+    if index.size and int(counts[np.clip(index, 0, None)].sum()) > MAX_NNZ:
+        raise PatternUnknown(f"sparsity: a pattern of more than {MAX_NNZ} entries: too dense to pay")
     if index.size and index.min() < 0:
         pattern = sp.vstack([pattern, sp.csr_array((1, pattern.shape[1]), dtype=bool)], format="csr")
         index = np.where(index < 0, pattern.shape[0] - 1, index)
@@ -218,8 +235,10 @@ def window(op: Any, ins: list[State], shape: tuple[int, ...]) -> Any:
         raise _NoRule
     channels = x.shape[3]
     if op.type in ("MaxPool", "AvgPool"):
-        k = op.get_attr("ksize")
-        size, strides, rates = [1, k[1], k[2], 1], list(op.get_attr("strides")), [1, 1, 1, 1]
+        k, st = list(op.get_attr("ksize")), list(op.get_attr("strides"))
+        if k[0] != 1 or k[3] != 1 or st[0] != 1 or st[3] != 1:   # pooling across the batch or the channels
+            raise _NoRule
+        size, strides, rates = [1, k[1], k[2], 1], st, [1, 1, 1, 1]
     else:
         filt = ins[1].shape
         if filt is None or len(filt) != 4:

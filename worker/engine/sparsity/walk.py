@@ -65,7 +65,17 @@ class Opaque:
 State = Dep | Val | Opaque
 
 CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
-SKIPPED = ("NoOp", "Assert", "Print", "PrintV2")
+SKIPPED = ("NoOp", "Assert", "PrintV2")
+# Stateful ops that only read: run as any other. Any other stateful op (a variable written, a random draw, a
+# queue) makes the pattern unknown: detection must neither change the model nor trust a value that moves.
+READS = frozenset(("ReadVariableOp", "VarHandleOp", "Placeholder", "Print", "PrintV2", "Assert", "NoOp",
+                   "StatefulPartitionedCall", "ResourceGather", "ResourceGatherNd", "VariableShape"))
+# Ops whose output shape depends on values: never run on stand-ins.
+VALUE_SHAPED = frozenset(("Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff",
+                          "Range", "DynamicPartition", "DenseToDenseSetOperation", "DenseToSparseSetOperation",
+                          "NonMaxSuppressionV3", "NonMaxSuppressionV4", "NonMaxSuppressionV5", "Bincount",
+                          "DenseBincount", "RaggedRange", "StringSplit", "StringSplitV2"))
+CONTROL_FLOW = frozenset(("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"))
 
 
 def detect(model: Any, inputs: dict[str, Any], *, of: str, wrt: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
@@ -89,9 +99,9 @@ def detect(model: Any, inputs: dict[str, Any], *, of: str, wrt: str) -> tuple[An
             state[tensor.name] = Dep(tuple(value.shape), sp.identity(n, dtype=bool, format="csr"), value.dtype)
         else:
             state[tensor.name] = Val(value)
-    resources = [t for t in graph.inputs if t.dtype == tf.resource]
-    for placeholder, handle in zip(resources, fn.captured_inputs):
-        state[placeholder.name] = Val(handle)
+    captured = list(fn.captured_inputs)   # the graph's last inputs, in order (resources and captured constants)
+    for placeholder, value in zip(graph.inputs[len(graph.inputs) - len(captured):], captured):
+        state[placeholder.name] = Val(value if value.dtype == tf.resource else value.numpy())
     walk_graph(graph, state, lookup=graph)
     out = fn.outputs[sorted(fn.structured_outputs).index(of)]   # tf.nest's order: sorted keys
     result = state.get(out.name)
@@ -121,7 +131,8 @@ def walk_graph(graph: Any, state: dict[str, State], *, lookup: Any) -> None:
             continue
         if op.type in SKIPPED:
             continue
-        ins = [state.get(t.name) or Opaque(_static(t)) for t in op.inputs]
+        ins = [_state(state, t, op) for t in op.inputs]
+        _check_op(op, ins)
         if op.type in CALL_OPS:
             outs = _call(op, ins, lookup)
         elif any(isinstance(s, Dep) for s in ins):
@@ -133,9 +144,44 @@ def walk_graph(graph: Any, state: dict[str, State], *, lookup: Any) -> None:
                 raise PatternUnknown(f"sparsity: the pattern of {op.name} ({op.type}) holds {s.pattern.nnz} "
                                      "entries: too dense to pay")
             state[tensor.name] = s
-        for t in op.inputs:   # patterns no later op reads are freed: the walk holds a few layers, not all
-            if last_use.get(t.name) == i and t.name not in keep and isinstance(state.get(t.name), Dep):
-                del state[t.name]
+        for t in op.inputs:   # states no later op reads are freed: the walk holds a few layers, not all
+            if last_use.get(t.name) == i and t.name not in keep:
+                state.pop(t.name, None)
+
+
+def _state(state: dict[str, State], tensor: Any, op: Any) -> State:
+    found = state.get(tensor.name)
+    if found is None:
+        raise PatternUnknown(f"sparsity: op {op.name} ({op.type}) reads {tensor.name}, which no op gave a state")
+    return found
+
+
+def _check_op(op: Any, ins: list[State]) -> None:
+    """Raise ``PatternUnknown`` for what detection must not run or cannot trust: a stateful op that writes or
+    draws, an op whose output shape depends on values it does not know, integers of unknown value steering
+    anything but elementwise ops and gathers."""
+    from worker.engine.sparsity.rules import ELEMENTWISE
+
+    if op.op_def.is_stateful and op.type not in READS and op.type not in CALL_OPS:
+        raise PatternUnknown(f"sparsity: the model runs {op.type} ({op.name}), a stateful op (it writes a variable "
+                             "or draws random numbers): its pattern is not structural")
+    unknown = [s for s in ins if isinstance(s, Opaque) or isinstance(s, Dep)]
+    if op.type in VALUE_SHAPED and unknown:
+        raise PatternUnknown(f"sparsity: {op.type} ({op.name}) has an output shape that depends on values "
+                             "that depend on wrt")
+    if op.type in ELEMENTWISE or op.type in CALL_OPS or op.type in CONTROL_FLOW or "Gather" in op.type:
+        return
+    for s in ins:
+        if isinstance(s, Opaque) and s.dtype is not None and _integer(s.dtype):
+            raise PatternUnknown(f"sparsity: {op.type} ({op.name}) takes integers computed from wrt: its result "
+                                 "may depend on their values")
+
+
+def _integer(dtype: Any) -> bool:
+    import tensorflow as tf
+
+    d = tf.as_dtype(dtype)
+    return d.is_integer or d == tf.bool
 
 
 def _placeholder(op: Any) -> State:
@@ -239,10 +285,12 @@ def _constant(op: Any, ins: list[State]) -> list[State]:
     if op.type == "Const":
         return [Val(tf.make_ndarray(op.get_attr("value")))]
     known = all(isinstance(s, Val) for s in ins)
+    if op.type in CONTROL_FLOW and not known:   # never run on stand-ins: a loop may not end
+        return [Opaque(_static(t), t.dtype) for t in op.outputs]
     try:
         outs = run_op(op, substitutes(ins))
     except Exception:  # noqa: BLE001 - an op we cannot run: its outputs' static shapes, values unknown
         return [Opaque(_static(t), t.dtype) for t in op.outputs]
-    if known and op.type not in ("RandomUniform", "RandomStandardNormal"):
+    if known:
         return [Val(v) for v in outs]
     return [Opaque(tuple(np.shape(v)), t.dtype) for v, t in zip(outs, op.outputs)]
