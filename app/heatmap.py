@@ -233,14 +233,25 @@ def heatmap_figure(ds: Downsampled, *, title: str, subtitle: str = "", row_axis:
         if panel_titles:
             ax.set_title(panel_titles[p], fontsize=plots.TEXT_PT, pad=4, parse_math=False)
 
+    bar, grid_h = label_grid(fig, image, grid, shift=shift, natural_w=natural_w, fig_h=fig_h, row_axis=row_axis,
+                             col_axis=col_axis)
+    if value_label and len(value_label) * 0.085 < grid_h:  # along the bar; the title says it anyway
+        bar.set_label(value_label, **LABEL)
+    return fig
+
+
+LABEL = {"fontsize": plots.TEXT_PT, "color": plots.INK, "parse_math": False}   # the axes' and the bar's labels
+
+
+def label_grid(fig: Any, image: Any, grid: Any, *, shift: float, natural_w: float, fig_h: float, row_axis: Any,
+               col_axis: Any) -> tuple[Any, float]:
+    """The row and column labels beside a panel grid and the colour bar right of it (the heatmap's and the
+    sparsity pattern's); returns the bar and the grid's height in inches."""
     grid_w, grid_h = natural_w - grid.left - grid.right, fig_h - grid.top - grid.bottom
-    label = {"fontsize": plots.TEXT_PT, "color": plots.INK, "parse_math": False}
     plots.text_in(fig, shift + plots.PAD_IN, grid.bottom + grid_h / 2, row_axis.label("rows"), rotation=90,
-                  ha="left", va="center", **label)
+                  ha="left", va="center", **LABEL)
     plots.text_in(fig, shift + grid.left + grid_w / 2, grid.bottom - 0.3, col_axis.label("columns"),
-                  ha="center", va="top", **label)
+                  ha="center", va="top", **LABEL)
     bar = fig.colorbar(image, cax=plots.add_axes_in(fig, shift + grid.left + grid_w + 0.25, grid.bottom, 0.17, grid_h))
     bar.ax.tick_params(labelsize=plots.SMALL_PT, length=3, pad=2)
-    if value_label and len(value_label) * 0.085 < grid_h:  # along the bar; the title says it anyway
-        bar.set_label(value_label, **label)
-    return fig
+    return bar, grid_h

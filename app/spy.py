@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from app import plots
-from app.heatmap import MatrixAxis, panel_grid, set_ticks
+from app.heatmap import LABEL, MatrixAxis, label_grid, panel_grid, set_ticks
 from app.sparse import SparseResult
 
 CMAP = "Blues"        # from its 30 % (a cell with few stored entries still shows) to dark: the densest cells
@@ -84,16 +84,10 @@ def render_pattern(sp: SparseResult, *, size: int, job_id: str | None = None) ->
     set_ticks(ax.xaxis, col_axis.shape)
     set_ticks(ax.yaxis, row_axis.shape)
     ax.tick_params(labelsize=plots.SMALL_PT, length=3, pad=2)
-    grid_w, grid_h = natural_w - grid.left - grid.right, fig_h - grid.top - grid.bottom
-    label = {"fontsize": plots.TEXT_PT, "color": plots.INK, "parse_math": False}
-    plots.text_in(fig, shift + plots.PAD_IN, grid.bottom + grid_h / 2, row_axis.label("rows"), rotation=90,
-                  ha="left", va="center", **label)
-    plots.text_in(fig, shift + grid.left + grid_w / 2, grid.bottom - 0.3, col_axis.label("columns"),
-                  ha="center", va="top", **label)
-    bar = fig.colorbar(image, cax=plots.add_axes_in(fig, shift + grid.left + grid_w + 0.25, grid.bottom, 0.17, grid_h))
-    bar.ax.tick_params(labelsize=plots.SMALL_PT, length=3, pad=2)
+    bar, grid_h = label_grid(fig, image, grid, shift=shift, natural_w=natural_w, fig_h=fig_h, row_axis=row_axis,
+                             col_axis=col_axis)
     if grid_h > 1.6:
-        bar.set_label(f"share of the cell stored{scale}", **label)
+        bar.set_label(f"share of the cell stored{scale}", **LABEL)
     headers = {"X-Preview-Matrix": f"{n_of}x{n_wrt}", "X-Preview-Cells": f"{height}x{width}",
                "X-Preview-Panels": "1/1", "X-Preview-Nnz": str(sp.nnz)}
     return plots.figure_to_png(fig), headers

@@ -93,12 +93,14 @@ def hessian_rows(root: Path, batch: int = 256) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-mobilenet", action="store_true")
+    parser.add_argument("--skip-hessian", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     print(machine(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        emit("matfree_cold_hessian", hessian_rows(root), args.out)
+        if not args.skip_hessian:
+            emit("matfree_cold_hessian", hessian_rows(root), args.out)
         if not args.skip_mobilenet:
             emit("matfree_cold_svd", mobilenet_rows(root), args.out)
 

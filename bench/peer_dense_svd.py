@@ -22,7 +22,8 @@ def main() -> None:
     rank = int(sys.argv[sys.argv.index("--rank") + 1])
     of = sys.argv[sys.argv.index("--of") + 1] if "--of" in sys.argv else None
     wrt = sys.argv[sys.argv.index("--wrt") + 1] if "--wrt" in sys.argv else None
-    fn = tf.saved_model.load(model_dir).signatures["serving_default"]
+    loaded = tf.saved_model.load(model_dir)   # kept: the signature needs its variables alive
+    fn = loaded.signatures["serving_default"]
     inputs = {k: tf.constant(v) for k, v in np.load(inputs_path).items()}
     of = of or next(iter(fn.structured_outputs))
     wrt = wrt or next(iter(inputs))
