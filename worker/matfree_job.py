@@ -31,6 +31,7 @@ from worker.storage import jsonable
 log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 32 << 20
+HELD_BYTES = 256 << 20   # products held in memory at once: runs of whole storage blocks up to this (at least one)
 
 
 def _names(prefix: str, shape: tuple[int, ...]) -> list[str]:
@@ -143,7 +144,7 @@ def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: s
         done = writer.rows_committed
         if on_progress is not None:   # the resume point first, so a caller counting deltas counts this attempt's
             on_progress(done, writer.rows_total)
-        for start, stop in writer.pending_ranges():
+        for start, stop in _runs(writer, HELD_BYTES):
             def keep(offset: int, rows: np.ndarray, start: int = start) -> None:
                 writer.write_rows(start + offset, np.asarray(rows, dtype).reshape((len(rows),) + row_shape))
 
@@ -171,6 +172,18 @@ def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: s
     result.products = spent
     result.arrays = {}  # stored already, block by block
     return result, {"products": [k, *row_shape]}
+
+
+def _runs(writer: Any, held_bytes: int) -> list[tuple[int, int]]:
+    """The pending seeds as runs of adjacent whole blocks of at most ``held_bytes`` of products each."""
+    row_bytes = max(1, writer.layout.row_bytes)
+    out: list[tuple[int, int]] = []
+    for b in writer.pending_blocks():
+        if out and out[-1][1] == b.row_start and (b.row_stop - out[-1][0]) * row_bytes <= held_bytes:
+            out[-1] = (out[-1][0], b.row_stop)
+        else:
+            out.append((b.row_start, b.row_stop))
+    return out
 
 
 def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str, list[str]]) -> None:

@@ -228,3 +228,16 @@ def test_manifest_lists_the_commit_markers_once(tmp_path: Path, monkeypatch, n_b
     w.write_manifest({})
     assert (tmp_path / "j" / "manifest.json").is_file()
     assert len(listed) == 1, f"{len(listed)} listings for {n_blocks} blocks"
+
+
+def test_products_are_held_in_runs_of_whole_blocks_within_the_bound():
+    from types import SimpleNamespace
+
+    from worker.matfree_job import _runs
+
+    blocks = [SimpleNamespace(row_start=a, row_stop=a + 10) for a in range(0, 100, 10) if a not in (30, 40)]
+    writer = SimpleNamespace(layout=SimpleNamespace(row_bytes=8), pending_blocks=lambda: blocks)
+    # 10 seeds of 8 bytes a block; at most 240 bytes held: 3 blocks a run, and a gap (committed blocks) cuts it
+    assert _runs(writer, 240) == [(0, 30), (50, 80), (80, 100)]
+    assert _runs(writer, 1) == [(b.row_start, b.row_stop) for b in blocks]      # at least one block
+    assert _runs(writer, 1 << 30) == [(0, 30), (50, 100)]
