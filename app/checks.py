@@ -158,6 +158,9 @@ def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[st
         if not variables:
             raise InvalidRequest("wrt: 'variables/*' but this signature reads no variables; name inputs instead",
                                  field="wrt")
+        if all(getattr(v, "trainable", None) is False for v in variables.values()):
+            raise InvalidRequest("wrt: 'variables/*' but every variable this signature reads is non-trainable; "
+                                 "name them (variables/<name>) or inputs instead", field="wrt")
         wrt: str | list[str] = "variables/*"
     elif isinstance(options.wrt, list):
         wrt = [resolve_wrt(name, sig, variables) for name in options.wrt]

@@ -47,7 +47,7 @@ _DIM_SIZE = 1
 _OG_NODES, _OG_CONCRETE_FUNCTIONS = 1, 2
 _SO_CHILDREN, _SO_VARIABLE, _SO_BARE_CONCRETE_FUNCTION = 1, 7, 8
 _OR_NODE_ID, _OR_LOCAL_NAME = 1, 2
-_SV_DTYPE, _SV_SHAPE, _SV_NAME = 1, 2, 6
+_SV_DTYPE, _SV_SHAPE, _SV_TRAINABLE, _SV_NAME = 1, 2, 3, 6
 _SBCF_NAME = 1
 _SCF_BOUND_INPUTS = 2
 _SIGNATURES_CHILD = "signatures"
@@ -88,9 +88,13 @@ class TensorSpec:
     name: str
     dtype: str
     shape: Shape
+    trainable: bool | None = None   # variables only: SavedVariable.trainable
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        if self.trainable is not None:
+            out["trainable"] = self.trainable
+        return out
 
 
 @dataclass(frozen=True)
@@ -253,15 +257,17 @@ def _ints(wire: int, value: Any) -> list[int]:
 
 
 def _variable(buf: memoryview) -> TensorSpec:
-    name, dtype, vshape = "", 0, ()
+    name, dtype, vshape, trainable = "", 0, (), False   # proto3: an absent bool is false
     for vn, vw, vv in _fields(buf):
         if vn == _SV_DTYPE and vw == 0:
             dtype = vv
+        elif vn == _SV_TRAINABLE and vw == 0:
+            trainable = bool(vv)
         elif vn == _SV_SHAPE and vw == 2:
             vshape = _shape(vv)
         elif vn == _SV_NAME and vw == 2:
             name = strip_variable_suffix(bytes(vv).decode())
-    return TensorSpec(name=name, dtype=_dtype(dtype), shape=vshape)
+    return TensorSpec(name=name, dtype=_dtype(dtype), shape=vshape, trainable=trainable)
 
 
 def _object_graph(buf: memoryview) -> tuple[dict[str, TensorSpec], dict[str, dict[str, TensorSpec]]]:
@@ -298,7 +304,7 @@ def _object_graph(buf: memoryview) -> tuple[dict[str, TensorSpec], dict[str, dic
         read = [(nodes[i][1], paths.get(i, str(i))) for i in dict.fromkeys(bound[function])
                 if i < len(nodes) and nodes[i][1] is not None]
         names = variable_names([(v.name, path) for v, path in read])
-        per_signature[key] = {name: TensorSpec(name=name, dtype=v.dtype, shape=v.shape)
+        per_signature[key] = {name: TensorSpec(name=name, dtype=v.dtype, shape=v.shape, trainable=v.trainable)
                               for name, (v, _) in zip(names, read)}
     return everything, per_signature
 

@@ -326,7 +326,8 @@ def test_two_variables_of_one_name_are_named_by_their_object_paths(root, tmp_pat
                        "its object path in the SavedModel: 'variables/w@a' (float32 [2]), 'variables/w@b' "
                        "(float32 [1, 3])"), message
     assert read_saved_model(root / "twins").describe("serving_default")["variables"] == {
-        "w@a": {"dtype": "float32", "shape": [2]}, "w@b": {"dtype": "float32", "shape": [1, 3]}}
+        "w@a": {"dtype": "float32", "shape": [2], "trainable": True},
+        "w@b": {"dtype": "float32", "shape": [1, 3], "trainable": True}}
     for at in ("a", "b"):
         got, _ = compute_in_memory(model, inputs, wrt=f"variables/w@{at}")
         variable = getattr(model.loaded, at)

@@ -374,7 +374,7 @@ def test_model_signature_endpoint(client, model_root):
     assert body["path"] == str(model_root / "mlp") and "serving_default" in body["signatures"]
     assert body["inputs"] == {"x": {"dtype": "float32", "shape": [None, 8]}}
     assert body["outputs"] == {"y": {"dtype": "float32", "shape": [None, 4]}}
-    assert body["variables"]["d0/kernel"] == {"dtype": "float32", "shape": [8, 16]}
+    assert body["variables"]["d0/kernel"] == {"dtype": "float32", "shape": [8, 16], "trainable": True}
     r = client.get("/v1/models/signature", params={"path": "mlp", "signature": "nope"})
     assert r.status_code == 422 and r.json()["error"]["message"].startswith("signature:")
     r = client.get("/v1/models/signature", params={"path": "/etc"})

@@ -77,8 +77,8 @@ def test_known_shapes_and_dtypes(model_root):
     described = info.describe("serving_default")
     assert described["inputs"] == {"x": {"dtype": "float64", "shape": [None, 5]}}
     assert described["outputs"]["loss"] == {"dtype": "float64", "shape": []}
-    assert described["variables"] == {"w": {"dtype": "float64", "shape": [5, 4]},
-                                      "b": {"dtype": "float64", "shape": [4]}}
+    assert described["variables"] == {"w": {"dtype": "float64", "shape": [5, 4], "trainable": True},
+                                      "b": {"dtype": "float64", "shape": [4], "trainable": True}}
     ints = read_saved_model(model_root / "int_input").signature("serving_default")
     assert ints.inputs["ids"].dtype == "int32" and ints.inputs["ids"].shape == (None, 4)
 
@@ -147,3 +147,18 @@ def test_variables_that_share_a_name_are_named_by_object_path():
     from contracts.savedmodel import variable_names
 
     assert variable_names([("w", "a"), ("v", "c"), ("w", "layer.b")]) == ["w@a", "v", "w@layer.b"]
+
+
+def test_non_trainable_variables_are_told_apart(tmp_path):
+    """Batch norm's moving statistics are saved non-trainable: the signature endpoint says so (as the worker's
+    ``variables/*`` leaves them out), read from ``SavedVariable.trainable`` without TensorFlow."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4,), name="x")
+    h = keras.layers.BatchNormalization(name="bn")(inp)
+    keras.Model(inp, {"y": keras.layers.Dense(2, name="d")(h)}).export(str(tmp_path / "bn"), verbose=False)
+    variables = read_saved_model(tmp_path / "bn").describe("serving_default")["variables"]
+    assert {n: v["trainable"] for n, v in variables.items()} == {
+        "bn/moving_mean": False, "bn/moving_variance": False, "bn/gamma": True, "bn/beta": True,
+        "d/kernel": True, "d/bias": True}
