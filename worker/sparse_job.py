@@ -241,8 +241,9 @@ def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary:
     dtype = np.dtype(op.dtype)
     n_of, n_wrt = pattern.shape
     nnz = int(pattern.nnz)
-    attrs = jsonable({**op.attrs(), "kind": "jacobian", "format": "coo", "shape": [n_of, n_wrt],
-                      "of_shape": list(op.of_shape), "wrt_shape": list(op.axis.shape), "sparsity": summary})
+    attrs = jsonable({**op.attrs(), "wrt": op.axis.names[0], "kind": "jacobian", "format": "coo",
+                      "shape": [n_of, n_wrt], "of_shape": list(op.of_shape), "wrt_shape": list(op.axis.shape),
+                      "sparsity": summary})
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
     chunk = max(1, min(ENTRIES_PER_CHUNK, nnz))
     made = {}
