@@ -13,7 +13,6 @@ job computes only the blocks not committed); the spectra start over when retried
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,10 +22,10 @@ import numpy as np
 
 from contracts import storage
 from contracts.jobspec import MATRIX_FREE_KINDS, PRODUCT_KINDS
-from contracts.layout import MAIN_ARRAYS, MANIFEST, RESULT_GROUP, job_url
+from contracts.layout import MAIN_ARRAYS, RESULT_GROUP, job_url
 from contracts.records import iso_time
 from worker import result_group
-from worker.storage import jsonable
+from worker.storage import jsonable, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +104,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                 **{k: v for k, v in (manifest_fields or {}).items() if v is not None}}
     if result.residuals is not None:
         manifest["residuals"] = [float(r) for r in np.asarray(result.residuals, np.float64)]
-    body = json.dumps(jsonable(manifest), indent=2, sort_keys=True).encode()
-    storage.write_bytes(storage.join(base, MANIFEST), body)
+    write_manifest(base, manifest)
     return manifest
 
 
@@ -239,18 +237,15 @@ def compute_products_shard(op: Any, kind: str, seeds: np.ndarray, *, results_url
     return dict(result.products)
 
 
-def finish_products(results_url: str, job_id: str, *, plan: dict[str, Any], created_at: float | None = None,
+def finish_products(writer: Any, *, plan: dict[str, Any], created_at: float | None = None,
                     manifest_fields: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The finalizer's part for a sharded product job: every block committed (else ``RuntimeError``), the group
-    sealed with ``plan``, ``manifest.json`` last; returns the manifest. Needs no model."""
-    from worker.storage import ResultWriter
-
-    writer = ResultWriter.open_existing(results_url, job_id, array="products")
+    """The finalizer's part for a sharded product job, on its ``ResultWriter`` of the ``products`` array
+    (``ResultWriter.open_existing``): every block committed (else ``RuntimeError``), the group sealed with
+    ``plan``, ``manifest.json`` last; returns the manifest. Needs no model."""
+    writer.close()
     missing = writer.missing_blocks()
     if missing:
-        writer.abort()
         raise RuntimeError(f"manifest: blocks {[b.index for b in missing][:10]} are not committed")
-    writer.close()
     attrs = writer.attrs
     finished, created = iso_time(time.time()), iso_time(created_at or time.time())
     shape = list(writer.layout.shape)
@@ -262,12 +257,11 @@ def finish_products(results_url: str, job_id: str, *, plan: dict[str, Any], crea
     result_group.seal(writer.group_url, {"plan": jsonable(plan), "created_at": created, "finished_at": finished,
                                          "method": "products in shards", "products": spent,
                                          "seeds": shape[0] if shape else 0})
-    manifest = {"id": job_id, "uri": writer.group_url, "format": "zarr-v3", "array": "products",
+    manifest = {"id": writer.job_id, "uri": writer.group_url, "format": "zarr-v3", "array": "products",
                 "kind": attrs.get("kind"), "shape": shape, "dtype": writer.dtype.name, "arrays": {"products": shape},
                 "plan": plan, "of": attrs.get("of"), "wrt": attrs.get("wrt"), "wrt_slices": attrs.get("wrt_slices"),
                 "model": {"path": attrs.get("model"), "signature": attrs.get("signature")},
                 "created_at": created, "finished_at": finished,
                 **{k: v for k, v in (manifest_fields or {}).items() if v is not None}}
-    storage.write_bytes(storage.join(storage.normalize(job_url(results_url, job_id)), MANIFEST),
-                        json.dumps(jsonable(manifest), indent=2, sort_keys=True).encode())
+    write_manifest(writer.job_url, manifest)
     return manifest

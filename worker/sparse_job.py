@@ -12,7 +12,6 @@ in memory); a cached pattern makes that cheap.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -22,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from contracts import storage
-from contracts.layout import MANIFEST, RESULT_GROUP, job_url
+from contracts.layout import RESULT_GROUP, job_url
 from contracts.records import iso_time
 from worker import result_group
-from worker.storage import jsonable
+from worker.storage import jsonable, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +69,7 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     (``patterns.SharedBlobs``). Raises ``EngineError`` (``InvalidRequest`` naming ``sparsity``)."""
     from worker.engine.matfree import build_operator
     from worker.engine.sparsity import compressed
+    from worker.engine.sparsity.patterns import cache_key
 
     if hasattr(sparsity, "model_dump"):   # contracts.jobspec.PatternUri / PatternFrom
         sparsity = sparsity.model_dump()
@@ -81,7 +81,9 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     n_of, n_wrt = op.n_of, op.n_wrt
     t0 = time.monotonic()
     cache = _cache(cache_dir, shared_cache)
-    pattern, colouring, reason = _pattern(model, op, inputs, sparsity, source, (n_of, n_wrt), cache, previous,
+    arrays = {n: np.asarray(v) for n, v in inputs.items()}
+    key = cache_key(model, arrays, of=op.of, wrt=wrt_name) if source == "auto" else ""
+    pattern, colouring, reason = _pattern(model, op, arrays, sparsity, source, (n_of, n_wrt), cache, key, previous,
                                           wrt_name)
     run.timed("pattern", t0)
     if pattern is None:
@@ -91,7 +93,7 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
     sp_plan = compressed.plan(pattern, colouring)
     run.timed("colouring", t0)
     if source == "auto" and colouring is None and sp_plan.colouring is not None:
-        cache.put(_key(model, op, inputs, wrt_name), pattern, tuple(op.of_shape), sp_plan.colouring)
+        cache.put(key, pattern, tuple(op.of_shape), sp_plan.colouring)
     summary = sp_plan.summary(source)
     if not sp_plan.sparse:
         return DenseInstead({**summary, "seconds": run.seconds})
@@ -147,25 +149,19 @@ def _cache(cache_dir: str | None, shared: Any = None) -> Any:
     return PatternCache(cache_dir, shared)
 
 
-def _key(model: Any, op: Any, inputs: dict[str, Any], wrt: str) -> str:
-    from worker.engine.sparsity.patterns import cache_key
-
-    return cache_key(model, {n: np.asarray(v) for n, v in inputs.items()}, of=op.of, wrt=wrt)
-
-
-def _pattern(model: Any, op: Any, inputs: dict[str, Any], sparsity: Any, source: str, shape: tuple[int, int],
-             cache: Any, previous: Callable[[str], Any] | None,
+def _pattern(model: Any, op: Any, arrays: dict[str, np.ndarray], sparsity: Any, source: str,
+             shape: tuple[int, int], cache: Any, key: str, previous: Callable[[str], Any] | None,
              wrt: str) -> tuple[Any, Any, str]:
-    """``(pattern, colouring or None, "")``, or ``(None, None, why)`` when detection could not find it."""
+    """``(pattern, colouring or None, "")``, or ``(None, None, why)`` when detection could not find it;
+    ``key``: the cache key of an ``auto`` pattern."""
     from worker.engine.sparsity import patterns, walk
 
     if source == "auto":
-        key = _key(model, op, inputs, wrt)
         hit = cache.get(key)
         if hit is not None and hit[0].shape == shape:
             return hit[0], hit[2], ""
         try:
-            pattern, _, _ = walk.detect(model, {n: np.asarray(v) for n, v in inputs.items()}, of=op.of, wrt=wrt)
+            pattern, _, _ = walk.detect(model, arrays, of=op.of, wrt=wrt)
         except walk.PatternUnknown as err:
             return None, None, f"dense: {err}"
         except MemoryError:
@@ -196,8 +192,6 @@ def _pattern(model: Any, op: Any, inputs: dict[str, Any], sparsity: Any, source:
 
 def _pattern_from(job_id: str, shape: tuple[int, int], previous: Callable[[str], Any] | None) -> Any:
     """The entries of an earlier job's result: its ``rows``/``cols``, or the non-zeros of its ``jacobian``."""
-    import zarr
-
     from worker.engine.errors import InvalidRequest
     from worker.engine.sparsity.patterns import from_entries
 
@@ -206,7 +200,7 @@ def _pattern_from(job_id: str, shape: tuple[int, int], previous: Callable[[str],
     if url is None:
         raise InvalidRequest(f"{field_name}: job {job_id!r} has no stored result; give a complete job's id",
                              field=field_name)
-    group = zarr.open_group(store=storage.zarr_store(url, read_only=True), mode="r")
+    group = storage.open_group(url, mode="r")
     if group.attrs.get("format") == "coo":
         return from_entries(group["rows"][...], group["cols"][...], shape, field=field_name)
     array = group["jacobian"]
@@ -276,6 +270,5 @@ def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary:
                 "model": {"path": op.model.path, "signature": op.model.signature},
                 "created_at": created, "finished_at": finished,
                 **{k: v for k, v in (manifest_fields or {}).items() if v is not None}}
-    body = json.dumps(jsonable(manifest), indent=2, sort_keys=True).encode()
-    storage.write_bytes(storage.join(base, MANIFEST), body)
+    write_manifest(base, manifest)
     return manifest

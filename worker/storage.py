@@ -69,6 +69,14 @@ def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
+def write_manifest(job_folder: str, manifest: dict[str, Any]) -> str:
+    """``manifest.json`` in the job's folder (written last: its presence means the result is complete);
+    returns its URL."""
+    url = storage.join(job_folder, MANIFEST)
+    storage.write_bytes(url, json.dumps(jsonable(manifest), indent=2, sort_keys=True).encode())
+    return url
+
+
 class ResultWriter:
     """Buffers rows into storage blocks and writes them in a background thread (bounded queue).
 
@@ -295,8 +303,7 @@ class ResultWriter:
             raise RuntimeError(f"manifest: blocks {missing[:10]} are not committed; the result is incomplete")
         manifest = jsonable({**self.manifest_base(), **fields})
         result_group.seal(self.group_url, {k: v for k, v in manifest.items() if k in result_group.SEALED_FIELDS})
-        storage.write_bytes(self.manifest_url, json.dumps(manifest, indent=2, sort_keys=True).encode())
-        return self.manifest_url
+        return write_manifest(self.job_url, manifest)
 
     # -- internals ------------------------------------------------------------------------------
 

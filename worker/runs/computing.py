@@ -74,9 +74,9 @@ class ComputingAttempt(Attempt):
         manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
         return manifest
 
-    def compute_sparse(self, record: Any) -> dict[str, Any]:
-        """A sparse Jacobian (``worker.sparse_job``): the manifest, or ``{"dense_instead": plan.sparsity}``
-        when the dense path must compute it (pattern too dense or not found, verification failed)."""
+    def compute_sparse(self, record: Any) -> Any:
+        """A sparse Jacobian (``worker.sparse_job``): the manifest, or a ``DenseInstead`` when the dense path must
+        compute it (pattern too dense or not found, verification failed)."""
         import time
 
         from contracts.jobstore import JobNotFound
@@ -84,7 +84,7 @@ class ComputingAttempt(Attempt):
         from worker.engine.plan_cache import default_cache_dir
         from worker.model_cache import get_model
         from worker.plan_store import RedisBlobs
-        from worker.sparse_job import DenseInstead, compute_sparse_to_storage
+        from worker.sparse_job import compute_sparse_to_storage
 
         job, store = self.job, self.store
         inputs = load_inputs(job.inputs_uri, settings=self.settings)
@@ -103,7 +103,7 @@ class ComputingAttempt(Attempt):
             return (earlier.result or {}).get("uri")
 
         store.set_fields(job.id, plan={"kind": "jacobian", "strategy": "sparse", "shards": 1})
-        outcome = compute_sparse_to_storage(
+        return compute_sparse_to_storage(
             model, inputs, of=job.of, wrt=job.wrt if isinstance(job.wrt, str) or job.wrt is None else job.wrt[0],
             sparsity=job.sparsity, results_url=job.results_url, job_id=job.id, probe=self.probe,
             budget_bytes=effective_budget(job.memory_budget_bytes, self.settings.memory_budget_bytes),
@@ -112,9 +112,6 @@ class ComputingAttempt(Attempt):
             should_stop=lambda: store.is_cancel_requested(job.id), previous=previous,
             shared_cache=RedisBlobs(store.connection), created_at=record.created_at,
             manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}})
-        if isinstance(outcome, DenseInstead):
-            return {"dense_instead": outcome.sparsity}
-        return outcome
 
     @property
     def plans(self) -> PlanCache:

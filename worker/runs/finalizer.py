@@ -65,8 +65,7 @@ class Finalizer(Attempt):
         plan = {**record.plan, "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
         model = {"path": job.model.path, "signature": job.model.signature}
         if products:
-            writer.close()
-            manifest = finish_products(job.results_url, job.id, plan=plan, created_at=record.created_at,
+            manifest = finish_products(writer, plan=plan, created_at=record.created_at,
                                        manifest_fields={"model": model})
             plan = manifest["plan"]   # with the products summed over the shards
         else:

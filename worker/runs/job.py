@@ -76,10 +76,12 @@ class JobRun(ComputingAttempt):
             return self._succeed(self.compute_matrix_free(record))
         sparsity = None   # plan.sparsity of a sparse job computed densely
         if getattr(job, "sparsity", None) is not None:
+            from worker.sparse_job import DenseInstead
+
             outcome = self.compute_sparse(record)
-            if "dense_instead" not in outcome:
+            if not isinstance(outcome, DenseInstead):
                 return self._succeed(outcome)
-            sparsity = outcome["dense_instead"]
+            sparsity = outcome.sparsity
             log.info("job %s: computed densely: %s", job.id, sparsity.get("fallback"))
         stored = store.shard_plan(job.id)
         if stored is not None and int(stored.get("shards") or 1) > 1:  # an earlier attempt split the job

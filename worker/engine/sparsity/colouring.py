@@ -23,12 +23,10 @@ class Colouring:
     colours: np.ndarray   # int32 per column (forward) or per row (reverse)
     count: int
 
-    def seeds(self, dtype: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """The compressed seeds of colours ``start:stop``: ``(stop - start, n)``, 1 where the colour is."""
-        stop = self.count if stop is None else stop
-        out = np.zeros((stop - start, len(self.colours)), dtype)
-        mask = (self.colours >= start) & (self.colours < stop)
-        out[self.colours[mask] - start, np.flatnonzero(mask)] = 1
+    def seeds(self, dtype: str) -> np.ndarray:
+        """The compressed seeds: ``(count, n)``, row ``c`` 1 where the colour is ``c``."""
+        out = np.zeros((self.count, len(self.colours)), dtype)
+        out[self.colours, np.arange(len(self.colours))] = 1
         return out
 
 
@@ -69,13 +67,11 @@ def colour(pattern: object, mode: str, *, limit: int | None = None) -> Colouring
             continue
         taken = np.bitwise_or.reduce(used[cells], axis=0)
         c = _first_free(taken)
-        if c >= words * 64:
-            if limit is not None and c >= limit:
-                return None
-            used = np.concatenate([used, np.zeros((n_cells, words), np.uint64)], axis=1)
-            words *= 2
         if limit is not None and c >= limit:
             return None
+        if c >= words * 64:
+            used = np.concatenate([used, np.zeros((n_cells, words), np.uint64)], axis=1)
+            words *= 2
         used[cells, c // 64] |= one << np.uint64(c % 64)
         colours[line] = c
         count = max(count, c + 1)

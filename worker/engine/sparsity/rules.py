@@ -24,7 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from worker.engine.sparsity.walk import MAX_NNZ, Dep, Opaque, PatternUnknown, State, Val, run_op, substitutes
+from worker.engine.sparsity.walk import (
+    CONTROL_FLOW,
+    MAX_NNZ,
+    Dep,
+    Opaque,
+    PatternUnknown,
+    State,
+    Val,
+    run_op,
+    substitutes,
+)
 
 ELEMENTWISE = frozenset("""
 Abs Acos Acosh Add AddN AddV2 Asin Asinh Atan Atan2 Atanh BiasAdd BroadcastTo Cast Ceil CheckNumerics ClipByValue
@@ -49,8 +59,6 @@ MATMULS = frozenset(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"))
 
 def apply(op: Any, ins: list[State]) -> list[State]:
     """Output states of ``op``, some of whose inputs are ``Dep``."""
-    from worker.engine.sparsity.walk import CONTROL_FLOW
-
     if op.type == "IdentityN":
         return list(ins)
     if op.type == "Print":   # tf.compat.v1.Print: its first input, printed
