@@ -175,3 +175,11 @@ def work_burst(conn) -> None:
 
     queue = Queue(get_settings().queue_name, connection=conn, serializer=JSONSerializer)
     JacobianWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
+
+
+def finished_job(client, redis_conn, job_id: str) -> dict:
+    """Run the queue dry with a worker in this process, then the job's status, which must be ``succeeded``."""
+    work_burst(redis_conn)
+    record = client.get(f"/v1/jobs/{job_id}").json()
+    assert record["status"] == "succeeded", record
+    return record

@@ -51,12 +51,11 @@ def relu_pool_net(path: Path) -> Path:
 
 
 def mlp(path: Path) -> Path:
-    """Dense tanh MLP, ``x`` (None, 6) -> ``y`` (None, 3): dense per example, block diagonal over a batch."""
-    keras = _keras()
-    inp = keras.Input((6,), name="x")
-    h = keras.layers.Dense(8, activation="tanh", name="d0")(inp)
-    keras.Model(inp, {"y": keras.layers.Dense(3, name="d1")(h)}).export(str(path), verbose=False)
-    return path
+    """``tests.models.mlp`` 6-8-3, ``x`` (None, 6) -> ``y`` (None, 3): dense per example, block diagonal over a
+    batch."""
+    from tests import models
+
+    return models.mlp(path, sizes=(6, 8, 3))
 
 
 def array_ops(path: Path) -> Path:

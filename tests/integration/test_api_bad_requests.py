@@ -31,11 +31,6 @@ def model_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def results(tmp_path) -> Path:
-    return tmp_path / "results"
-
-
-@pytest.fixture
 def client(redis_server, redis_conn, model_root, results, monkeypatch):
     monkeypatch.setenv("JACOBIAN_REDIS_URL", redis_server.url)
     monkeypatch.setenv("JACOBIAN_RESULTS_URL", str(results))

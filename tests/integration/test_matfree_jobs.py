@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests import models
-from tests.conftest import work_burst
+from tests.conftest import finished_job, work_burst
 from tests.engine.reference import tape_hessian, tape_jacobian
 from worker.engine import load_model
 
@@ -28,24 +28,13 @@ def model_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def client(worker_env):
-    from app.main import create_app
-
-    worker_env(1 << 20)
-    with TestClient(create_app()) as c:
-        yield c
+def client(worker_client):
+    return worker_client
 
 
 def body(**options) -> dict:
     return {"model": {"path": "f64"}, "inputs": {"x": {"shape": [3, 5], "dtype": "float64",
                                                        "data": X.ravel().tolist()}}, **options}
-
-
-def finished(client, redis_conn, job_id: str) -> dict:
-    work_burst(redis_conn)
-    record = client.get(f"/v1/jobs/{job_id}").json()
-    assert record["status"] == "succeeded", record
-    return record
 
 
 def test_svd_and_hessian_kinds_over_http(client, redis_conn, model_root):
@@ -55,7 +44,7 @@ def test_svd_and_hessian_kinds_over_http(client, redis_conn, model_root):
     J = tape_jacobian(model, {"x": X}, "y", "x").reshape(12, 15)
     r = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="svd", rank=2, tol=1e-8))
     assert r.status_code == 202, r.text
-    record = finished(client, redis_conn, r.json()["id"])
+    record = finished_job(client, redis_conn, r.json()["id"])
     assert record["result"]["shape"] == [2] and record["progress"]["fraction"] == 1.0
     assert record["plan"]["strategy"] == "matrix-free" and record["plan"]["products"]["vjp"] > 0
     ds = xr.open_zarr(record["result"]["uri"])
@@ -68,7 +57,7 @@ def test_svd_and_hessian_kinds_over_http(client, redis_conn, model_root):
 
     H = tape_hessian(model, {"x": X}, "loss", "x").reshape(15, 15)
     r = client.post("/v1/jobs", json=body(of="loss", wrt=["x"], kind="hessian_trace", samples=15))
-    trace = xr.open_zarr(finished(client, redis_conn, r.json()["id"])["result"]["uri"])
+    trace = xr.open_zarr(finished_job(client, redis_conn, r.json()["id"])["result"]["uri"])
     np.testing.assert_allclose(float(trace["trace"]), np.trace(H), rtol=1e-9)
 
 
@@ -80,7 +69,7 @@ def test_products_with_seeds_in_json_and_in_an_npz_over_several_wrt(client, redi
     r = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="vjp", seeds={
         "shape": [4, 3, 4], "dtype": "float64", "data": seeds.ravel().tolist()}))
     assert r.status_code == 202, r.text
-    ds = xr.open_zarr(finished(client, redis_conn, r.json()["id"])["result"]["uri"])
+    ds = xr.open_zarr(finished_job(client, redis_conn, r.json()["id"])["result"]["uri"])
     J = tape_jacobian(model, {"x": X}, "y", "x").reshape(12, 15)
     np.testing.assert_allclose(ds["products"].values.reshape(4, 15), seeds.reshape(4, 12) @ J, rtol=1e-10)
 
@@ -90,7 +79,7 @@ def test_products_with_seeds_in_json_and_in_an_npz_over_several_wrt(client, redi
     r = client.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"},
                     params={"model_path": "f64", "of": "y", "wrt": "x,variables/w", "kind": "jvp"})
     assert r.status_code == 202, r.text
-    record = finished(client, redis_conn, r.json()["id"])
+    record = finished_job(client, redis_conn, r.json()["id"])
     ds = xr.open_zarr(record["result"]["uri"])
     Jw = tape_jacobian(model, {"x": X}, "y", "variables/w").reshape(12, 20)
     want = tangents @ np.concatenate([J, Jw], axis=1).T
@@ -155,8 +144,8 @@ def test_products_split_into_shards_equal_the_unsharded_products(worker_env, red
         sharded = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="vjp", seeds=spec, shards=3))
         whole = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="vjp", seeds=spec, shards=1))
         assert sharded.status_code == whole.status_code == 202, sharded.text
-        a = finished(client, redis_conn, sharded.json()["id"])
-        b = finished(client, redis_conn, whole.json()["id"])
+        a = finished_job(client, redis_conn, sharded.json()["id"])
+        b = finished_job(client, redis_conn, whole.json()["id"])
     assert a["plan"]["shards"] == 3 and len(a["plan"]["shard_plans"]) == 3, a["plan"]
     assert all(p["products"]["vjp"] >= 10 for p in a["plan"]["shard_plans"])
     assert a["plan"]["products"]["vjp"] >= 50 and a["plan"]["kind"] == "vjp"

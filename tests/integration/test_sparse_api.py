@@ -24,28 +24,6 @@ pytestmark = pytest.mark.integration
 NPZ = {"Content-Type": "application/x-npz"}
 
 
-@pytest.fixture
-def results(tmp_path) -> Path:
-    return tmp_path / "results"
-
-
-@pytest.fixture
-def env(redis_server, redis_conn, model_root, results, monkeypatch):
-    monkeypatch.setenv("JACOBIAN_REDIS_URL", redis_server.url)
-    monkeypatch.setenv("JACOBIAN_RESULTS_URL", str(results))
-    monkeypatch.setenv("JACOBIAN_MODEL_ROOTS", str(model_root))
-    monkeypatch.delenv("JACOBIAN_API_KEYS", raising=False)
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
-
-
-@pytest.fixture
-def client(env):
-    with TestClient(create_app()) as c:
-        yield c
-
-
 def mlp_body(**extra) -> dict:
     return {"model": {"path": "mlp"}, "inputs": {"x": {"shape": [2, 8], "data": np.linspace(-1, 1, 16).tolist()}},
             **extra}

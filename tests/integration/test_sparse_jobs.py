@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests import sparse_models
-from tests.conftest import work_burst
+from tests.conftest import finished_job
 from worker.engine import load_model
 
 pytestmark = pytest.mark.integration
@@ -29,23 +29,12 @@ def model_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def client(worker_env):
-    from app.main import create_app
-
-    worker_env(1 << 20)
-    with TestClient(create_app()) as c:
-        yield c
+def client(worker_client):
+    return worker_client
 
 
 def tensor(a: np.ndarray) -> dict:
     return {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()}
-
-
-def finished(client, redis_conn, job_id: str) -> dict:
-    work_burst(redis_conn)
-    record = client.get(f"/v1/jobs/{job_id}").json()
-    assert record["status"] == "succeeded", record
-    return record
 
 
 def dense(model_root, name, inputs, of, wrt):
@@ -67,7 +56,7 @@ def test_sparse_job_over_http(client, redis_conn, model_root):
     r = client.post("/v1/jobs", json={"model": {"path": "conv"}, "inputs": {"image": tensor(IMAGE)},
                                       "sparsity": "auto"})
     assert r.status_code == 202, r.text
-    record = finished(client, redis_conn, r.json()["id"])
+    record = finished_job(client, redis_conn, r.json()["id"])
     info = record["plan"]["sparsity"]
     assert info["verified"] is True and info["source"] == "auto" and info["colors"] == 50
     assert record["plan"]["strategy"] == "sparse" and record["progress"]["fraction"] == 1.0
@@ -86,7 +75,7 @@ def test_sparse_job_over_http(client, redis_conn, model_root):
     again = client.post("/v1/jobs", json={"model": {"path": "conv"}, "inputs": {"image": tensor(IMAGE * 2)},
                                           "sparsity": {"pattern_from": record["id"]}})
     assert again.status_code == 202, again.text
-    second = finished(client, redis_conn, again.json()["id"])
+    second = finished_job(client, redis_conn, again.json()["id"])
     assert second["plan"]["sparsity"]["source"] == "pattern_from" and second["plan"]["sparsity"]["verified"]
 
 
@@ -94,7 +83,7 @@ def test_a_dense_pattern_is_computed_densely_and_says_why(client, redis_conn, mo
     r = client.post("/v1/jobs", json={"model": {"path": "mlp"}, "inputs": {"x": tensor(X[:1])},
                                       "sparsity": "auto"})
     assert r.status_code == 202, r.text
-    record = finished(client, redis_conn, r.json()["id"])
+    record = finished_job(client, redis_conn, r.json()["id"])
     info = record["plan"]["sparsity"]
     assert info["fallback"].startswith("dense: the pattern holds 100.0%") and info["verified"] is False
     assert record["result"].get("format") is None and record["result"]["shape"] == [1, 3, 1, 6]
@@ -113,7 +102,7 @@ def test_a_detected_pattern_is_shared_through_redis(worker_env, redis_conn, mode
         redis_conn.delete(key)
     body = {"model": {"path": "conv"}, "inputs": {"image": tensor(IMAGE * 3)}, "sparsity": "auto"}
     with TestClient(create_app()) as client:
-        first = finished(client, redis_conn, client.post("/v1/jobs", json=body).json()["id"])
+        first = finished_job(client, redis_conn, client.post("/v1/jobs", json=body).json()["id"])
     assert list(redis_conn.scan_iter("jacobian:sparsity:*")), "the pattern was not shared"
     assert list((tmp_path / "first" / "sparsity").glob("*.npz"))
 
@@ -123,7 +112,7 @@ def test_a_detected_pattern_is_shared_through_redis(worker_env, redis_conn, mode
     monkeypatch.setattr(walk, "detect", no_detect)
     worker_env(1 << 20, CACHE_DIR=str(tmp_path / "second"))
     with TestClient(create_app()) as client:
-        second = finished(client, redis_conn, client.post("/v1/jobs", json={**body, "inputs": {
+        second = finished_job(client, redis_conn, client.post("/v1/jobs", json={**body, "inputs": {
             "image": tensor(IMAGE * 4)}}).json()["id"])
     assert second["plan"]["sparsity"]["nnz"] == first["plan"]["sparsity"]["nnz"]
     assert second["plan"]["sparsity"]["verified"] is True
