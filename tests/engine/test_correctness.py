@@ -54,7 +54,7 @@ def test_jacobian_matches_tape(loaded, case, mode, strategy):
 
 
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + ["per_example", "per_example+xla"])
 @pytest.mark.parametrize("case", ["mlp", "cnn", "multi_io_u_a", "rnn", "float64", "int_input"])
 def test_batch_jacobian_matches_tape(loaded, case, mode, strategy):
     name, inputs, of, wrt = _case(case)

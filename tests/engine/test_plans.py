@@ -119,6 +119,27 @@ def test_a_trial_runs_when_earlier_jobs_of_the_plan_pay_for_it(wide):
     assert second.learned.refined  # nothing left to try without XLA
 
 
+def test_a_batch_jacobian_plan_tries_the_per_example_strategy_and_keeps_right_rows(wide):
+    """Batch Jacobians have one more candidate, ``per_example`` (pfor over examples of pfor over
+    features); a plan whose jobs pay for trials gets to it, and every job's rows stay right."""
+    inputs = {"x": rand((32, 64))}
+    problem = build_problem(wide, inputs, kind="batch_jacobian")
+    want = tape_jacobian(wide, inputs, "y", "x", batch=True)
+    plan, candidates = None, []
+    for _ in range(30):
+        seen: dict[int, np.ndarray] = {}
+        report = run_problem(problem, plan=plan, try_xla=False, refine="always",
+                             on_chunk=lambda s, r, seen=seen: seen.update({s: r}))
+        rows = np.concatenate([seen[s] for s in sorted(seen)])   # (features, batch, features)
+        np.testing.assert_allclose(np.moveaxis(rows, 0, 1), want, atol=1e-5)
+        candidates += [report.plan["trial"]["candidate"]] if report.plan["trial"] else []
+        plan = report.learned
+        if plan.refined:
+            break
+    assert "per_example" in candidates and plan.strategies["per_example"].status == "ok", candidates
+    assert plan.refined
+
+
 def test_the_function_at_the_production_size_is_checked_against_eager_rows(loaded, monkeypatch):
     """A strategy right at small chunks but wrong at 16 rows and more: the check at the production
     size catches it, the job falls back and its rows are right."""

@@ -268,6 +268,14 @@ class ChunkRun:
             return
         self.settle(label)
 
+    def settle_unfinished(self) -> None:
+        """At the end of a job: settle every calibration the job's rows ran out on, from the sizes it
+        timed, so that the next job plans from them (and may run a trial) instead of calibrating
+        from the start again: repeated jobs smaller than a calibration would otherwise never settle."""
+        for label, cal in self.cal.items():
+            if not cal.done and cal.seconds and self.plan.record(label).status == "ok":
+                self.settle(label)
+
     def settle(self, label: str) -> None:
         """Fit time and memory lines from the calibration and keep them in the plan."""
         cal, record = self.cal[label], self.plan.record(label)

@@ -21,7 +21,7 @@ from worker.engine.errors import EngineError, NotDifferentiable, Stopped, WrongR
 from worker.engine.memory import MemoryProbe, TFMemoryProbe, is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import is_applicable
+from worker.engine.strategies import BASE_STRATEGIES, BATCHED, is_applicable
 from worker.engine.trial import avoid_unseen, fall_back, mark_refined, maybe_trial, strategy_for_job
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,8 @@ class RunReport:
 
 
 def applicable_labels(problem: Problem) -> list[str]:
-    names = [s for s in ("tiled", "vectorized", "loop", "eager") if is_applicable(problem, s)]
-    return names + [s + "+xla" for s in ("tiled", "vectorized") if is_applicable(problem, s)]
+    names = [s for s in BASE_STRATEGIES if is_applicable(problem, s)]
+    return names + [s + "+xla" for s in BATCHED if is_applicable(problem, s)]
 
 
 def default_plan(problem: Problem, *, similar: str | None = None, key: Any = None) -> Plan:
@@ -168,6 +168,7 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
                         f"strategy {label} delivered wrong rows (found by a trial against the eager reference "
                         f"rows); rows {run.wrong_delivered} must be computed again with {run.plan.strategy}",
                         ranges=list(run.wrong_delivered), learned=run.plan)
+    run.settle_unfinished()
     if run.status.get("chunk_rows") is not None:  # the measured figures, for the report (no callback)
         run.publish(run.plan.strategy, run.status["chunk_rows"], final=True)
     return rows_done, compute_s

@@ -88,6 +88,8 @@ def strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: 
         return rows / float(known[label].best_rate() or 1e-9)
 
     best = min(known, key=rows_s)
+    if rows_s(plan.strategy) * (1.0 - tuning.TIE_BAND) <= rows_s(best):
+        best = plan.strategy  # within the tie band: the plan's choice, decided on paired timings, stays
     rent = min(known, key=lambda label: compile_s(label) + rows_s(label))
     if rent == best or compile_s(best) == 0.0:
         return best

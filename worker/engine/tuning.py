@@ -24,7 +24,9 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   ``MIN_GROWTH_GAIN`` (measured, and predicted for the next size) and the measured peak, doubled
   with a margin, still fits the memory limit. The chunk kept is the largest within ``FAST_ENOUGH``
   of the best rows/s, so calibration rarely peaks above the job's own chunks, and never above the
-  limit.
+  limit. A job whose rows run out first settles on the sizes it timed (``ChunkRun.settle_unfinished``).
+- Batch Jacobians have a third batched strategy, ``per_example`` (pfor over examples of pfor over
+  features): the most expensive trace, so it comes after ``tiled`` and ``vectorized``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ TIE_BAND = 0.05           # a candidate must be 5 % faster per row (median of pa
 TRIAL_PAIRS = 3           # timed (incumbent, candidate) pairs in a trial
 # Compile cost of a strategy never compiled for this request, as a multiple of the incumbent's
 # measured compile: pfor converts every op of the backward graph (~6x a plain gradient's trace
-# on MobileNetV3Small); XLA compiles the whole graph on top of that.
-COMPILE_FACTOR = {"tiled": 1.0, "vectorized": 6.0, "tiled+xla": 4.0, "vectorized+xla": 10.0}
+# on MobileNetV3Small); XLA compiles the whole graph on top of that; ``per_example`` nests pfor in
+# pfor (4x ``vectorized``'s trace on a 32x32 MobileNetV3Small, 2x on an MLP).
+COMPILE_FACTOR = {"tiled": 1.0, "vectorized": 6.0, "tiled+xla": 4.0, "vectorized+xla": 10.0,
+                  "per_example": 24.0, "per_example+xla": 28.0}
 FALLBACKS = ("vectorized", "loop", "eager")
 SMALL_GRAPH_OPS = 200     # up to this many ops pfor traces in about a second: start with vectorized
 
@@ -57,8 +61,9 @@ def default_order(applicable: Iterable[str], similar: str | None = None, *, grap
 
 
 def alternatives(applicable: Iterable[str], tried: Iterable[str], *, xla: bool) -> list[str]:
-    """Candidates for a trial, cheapest compile first: the other batched strategy, then XLA forms."""
-    order = ["tiled", "vectorized"] + (["tiled+xla", "vectorized+xla"] if xla else [])
+    """Candidates for a trial: the other batched strategies, then their XLA forms."""
+    batched = ["tiled", "vectorized", "per_example"]
+    order = batched + ([s + "+xla" for s in batched] if xla else [])
     skip = set(tried)
     return [s for s in order if s in set(applicable) and s not in skip]
 
