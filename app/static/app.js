@@ -170,8 +170,16 @@ function renderJob(job) {
     ["bytes / row", plan.bytes_per_row !== undefined ? fmtBytes(plan.bytes_per_row) : undefined],
     ["OOM retries", plan.oom_retries], ["shards", plan.shards]];
   const known = new Set(["chunk_rows", "strategy", "mode", "free_bytes_at_start", "bytes_per_row", "oom_retries", "shards"]);
+  // Other scalar keys as they come; an object one level down (plan.sparsity, plan.trial) as "sparsity nnz".
   for (const [k, v] of Object.entries(plan)) {
-    if (!known.has(k) && (v === null || typeof v !== "object")) planPairs.push([k.replace(/_/g, " "), v]);
+    if (known.has(k)) continue;
+    const name = k.replace(/_/g, " ");
+    if (v === null || typeof v !== "object") planPairs.push([name, v]);
+    else if (!Array.isArray(v)) {
+      for (const [k2, v2] of Object.entries(v)) {
+        if (v2 === null || typeof v2 !== "object") planPairs.push([name + " " + k2.replace(/_/g, " "), v2]);
+      }
+    }
   }
   fillDl($("jv-plan"), Object.keys(plan).length ? planPairs : [["plan", "not chosen yet"]]);
 
