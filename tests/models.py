@@ -253,10 +253,19 @@ def mobilenet_v3_small(path: Path, model=None) -> Path:
     return path
 
 
+def grid(path: Path) -> Path:
+    """An output of rank 3: ``x`` (None, 6) -> dense tanh -> ``grid`` (None, 4, 5)."""
+    keras = _keras()
+    inp = keras.Input((6,), name="x")
+    h = keras.layers.Dense(20, activation="tanh", name="dense")(inp)
+    keras.Model(inp, {"grid": keras.layers.Reshape((4, 5), name="grid")(h)}).export(str(path), verbose=False)
+    return path
+
+
 BUILDERS = {
     "mlp": mlp, "cnn": cnn, "multi_io": multi_io, "int_input": int_input, "rnn": rnn_unrolled,
     "control_flow": control_flow, "float64": float64_model, "interact": batch_interacting,
-    "variable_in_loop": variable_in_loop, "depthwise": depthwise,
+    "variable_in_loop": variable_in_loop, "depthwise": depthwise, "grid": grid,
 }
 
 

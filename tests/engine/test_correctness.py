@@ -20,6 +20,7 @@ CASES = {
     "int_input": (lambda: {"ids": np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32), "x": rand((2, 4))}, "y", "x"),
     "rnn": (lambda: {"seq": rand((2, 4, 3))}, "h", "seq"),
     "float64": (lambda: {"x": rand((3, 5), "float64")}, "y", "x"),
+    "grid": (lambda: {"x": rand((3, 6))}, "grid", "x"),
 }
 MODEL_OF = {"multi_io_u_a": "multi_io", "multi_io_v_b": "multi_io"}
 
@@ -55,7 +56,7 @@ def test_jacobian_matches_tape(loaded, case, mode, strategy):
 
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
 @pytest.mark.parametrize("strategy", STRATEGIES + ["per_example", "per_example+xla"])
-@pytest.mark.parametrize("case", ["mlp", "cnn", "multi_io_u_a", "rnn", "float64", "int_input"])
+@pytest.mark.parametrize("case", ["mlp", "cnn", "multi_io_u_a", "rnn", "float64", "int_input", "grid"])
 def test_batch_jacobian_matches_tape(loaded, case, mode, strategy):
     name, inputs, of, wrt = _case(case)
     model = loaded(name)
@@ -66,6 +67,8 @@ def test_batch_jacobian_matches_tape(loaded, case, mode, strategy):
                                     strategy=strategy, chunk_rows=3, check_independence=True)
     assert got.shape == want.shape
     _assert_close(got, want, str(want.dtype))
+    if strategy is not None:  # the pinned strategy ran: no fallback hid a failure of it
+        assert report.plan["strategy"] == strategy and not report.failures, report.failures
 
 
 @pytest.mark.parametrize("kind", ["jacobian", "batch_jacobian"])

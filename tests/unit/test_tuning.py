@@ -86,7 +86,7 @@ def test_alternatives_batched_strategies_first_then_xla_and_without_the_tried():
     assert tuning.alternatives(applicable, ["vectorized"], xla=False) == ["tiled"]
     batch = applicable + ["per_example", "per_example+xla"]   # a batch Jacobian
     assert tuning.alternatives(batch, ["vectorized", "tiled"], xla=True) == [
-        "per_example", "tiled+xla", "vectorized+xla", "per_example+xla"]
+        "tiled+xla", "vectorized+xla", "per_example", "per_example+xla"]
     assert tuning.alternatives(batch, ["vectorized"], xla=False) == ["tiled", "per_example"]
     assert tuning.estimated_compile_s("vectorized", known=None, incumbent="tiled", incumbent_compile_s=2.0) == 12.0
     assert tuning.estimated_compile_s("vectorized", known=3.0, incumbent="tiled", incumbent_compile_s=2.0) == 3.0

@@ -269,9 +269,13 @@ class ChunkRun:
         self.settle(label)
 
     def settle_unfinished(self) -> None:
-        """At the end of a job: settle every calibration the job's rows ran out on, from the sizes it
-        timed, so that the next job plans from them (and may run a trial) instead of calibrating
-        from the start again: repeated jobs smaller than a calibration would otherwise never settle."""
+        """At the end of a whole job: settle every calibration the job's rows ran out on, from the sizes
+        it timed, so that the next job plans from them (and may run a trial) instead of calibrating from
+        the start again: repeated jobs smaller than a calibration would otherwise never settle. Not for
+        part of a job (a shard, a resumed job, the job planner's first block): the job's own rows would
+        then run at the few sizes a part had time to reach."""
+        if self.pending != self.problem.rows_total:
+            return
         for label, cal in self.cal.items():
             if not cal.done and cal.seconds and self.plan.record(label).status == "ok":
                 self.settle(label)
@@ -292,7 +296,11 @@ class ChunkRun:
             k2 = timed[-1]
             memory = LinearFit(0.0, cal.peaks[k2] / k2)
             seconds = LinearFit(0.0, cal.seconds[k2] / k2)
-        record.memory = LinearFit(memory.fixed, max(memory.per_row, floor))
+        per_row = max(memory.per_row, floor)
+        for k, peak in cal.peaks.items():  # a size with only its first call (not timed) peaked too
+            if k not in cal.seconds and memory.fixed + per_row * k < peak:
+                per_row = (peak - memory.fixed) / k
+        record.memory = LinearFit(memory.fixed, per_row)
         if cal.too_big is not None:  # what the sizes that fitted do not show: the one that did not
             record.memory = self.below(record.memory, cal.too_big)
         record.seconds = seconds

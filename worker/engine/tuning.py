@@ -26,7 +26,7 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   of the best rows/s, so calibration rarely peaks above the job's own chunks, and never above the
   limit. A job whose rows run out first settles on the sizes it timed (``ChunkRun.settle_unfinished``).
 - Batch Jacobians have a third batched strategy, ``per_example`` (pfor over examples of pfor over
-  features): the most expensive trace, so it comes after ``tiled`` and ``vectorized``.
+  features): the most expensive trace, so its trials come last.
 """
 
 from __future__ import annotations
@@ -61,9 +61,13 @@ def default_order(applicable: Iterable[str], similar: str | None = None, *, grap
 
 
 def alternatives(applicable: Iterable[str], tried: Iterable[str], *, xla: bool) -> list[str]:
-    """Candidates for a trial: the other batched strategies, then their XLA forms."""
-    batched = ["tiled", "vectorized", "per_example"]
-    order = batched + ([s + "+xla" for s in batched] if xla else [])
+    """Candidates for a trial: the other batched strategy, XLA forms, then (batch Jacobians) ``per_example``.
+
+    ``maybe_trial`` considers the first candidate only, so the expensive ``per_example`` traces come
+    last: before them they would hold back the cheaper XLA trials until far more work had been done.
+    """
+    order = ["tiled", "vectorized"] + (["tiled+xla", "vectorized+xla"] if xla else [])
+    order += ["per_example"] + (["per_example+xla"] if xla else [])
     skip = set(tried)
     return [s for s in order if s in set(applicable) and s not in skip]
 
