@@ -119,6 +119,21 @@ def test_a_trial_runs_when_earlier_jobs_of_the_plan_pay_for_it(wide):
     assert second.learned.refined  # nothing left to try without XLA
 
 
+def test_a_candidate_whose_trial_does_not_pay_holds_back_no_other(wide):
+    """``tiled`` comes first among the candidates, but with a (known) compile far beyond what the plan's
+    work can repay its trial does not pay; ``per_example``'s does, and it is tried."""
+    inputs = {"x": rand((32, 64))}
+    problem = build_problem(wide, inputs, kind="batch_jacobian")
+    first = run_problem(problem, try_xla=False)
+    plan = first.learned
+    assert plan.strategy == "vectorized" and plan.strategies["tiled"].status == "untried"
+    plan.record("tiled").compile_s = 1e12
+    plan.work_s = 1e6
+    second = run_problem(problem, plan=plan, try_xla=False)
+    assert second.plan["trial"] is not None and second.plan["trial"]["candidate"] == "per_example", second.plan
+    assert second.learned.strategies["tiled"].status == "untried"
+
+
 def test_a_batch_jacobian_plan_tries_the_per_example_strategy_and_keeps_right_rows(wide):
     """Batch Jacobians have one more candidate, ``per_example`` (pfor over examples of pfor over
     features); a plan whose jobs pay for trials gets to it, and every job's rows stay right."""

@@ -139,18 +139,25 @@ def maybe_trial(run: ChunkRun, applicable: list[str], *, rows_left: int, seconds
             plan.refined = plan.refined or not left
             return
         incumbent = plan.strategy
-        candidate = candidates[0]
-        k_inc = len(run.last[1])
-        compile_inc = plan.record(incumbent).compile_s or 1.0
-        cost = tuning.estimated_compile_s(candidate, known=plan.record(candidate).compile_s, incumbent=incumbent,
-                                          incumbent_compile_s=compile_inc)
-        cost += (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * k_inc
-        if run.refine != "always" and not tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row,
-                                                             past_work_s=plan.work_s):
+        # The first candidate whose trial pays: an expensive one that does not pay yet holds back no other.
+        candidate = next((c for c in candidates if run.refine == "always" or _pays(
+            run, c, rows_left=rows_left, seconds_per_row=seconds_per_row)), None)
+        if candidate is None:
             return
         run_trial(run, candidate)
         if plan.strategy != incumbent:
             return  # the winner calibrates on the next chunks; further trials come after that
+
+
+def _pays(run: ChunkRun, candidate: str, *, rows_left: int, seconds_per_row: float) -> bool:
+    """``tuning.trial_pays`` for ``candidate``: its estimated compile plus the trial's chunks, against
+    this job's remaining seconds and what earlier jobs of the plan spent."""
+    assert run.last is not None
+    plan, k_inc = run.plan, len(run.last[1])
+    cost = tuning.estimated_compile_s(candidate, known=plan.record(candidate).compile_s, incumbent=plan.strategy,
+                                      incumbent_compile_s=plan.record(plan.strategy).compile_s or 1.0)
+    cost += (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * k_inc
+    return tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row, past_work_s=plan.work_s)
 
 
 def run_trial(run: ChunkRun, candidate: str) -> None:

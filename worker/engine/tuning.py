@@ -61,11 +61,8 @@ def default_order(applicable: Iterable[str], similar: str | None = None, *, grap
 
 
 def alternatives(applicable: Iterable[str], tried: Iterable[str], *, xla: bool) -> list[str]:
-    """Candidates for a trial: the other batched strategy, XLA forms, then (batch Jacobians) ``per_example``.
-
-    ``maybe_trial`` considers the first candidate only, so the expensive ``per_example`` traces come
-    last: before them they would hold back the cheaper XLA trials until far more work had been done.
-    """
+    """Candidates for a trial, in the order tried: the other batched strategy, XLA forms, then (batch
+    Jacobians) ``per_example`` and its XLA form. ``maybe_trial`` runs the first whose trial pays."""
     order = ["tiled", "vectorized"] + (["tiled+xla", "vectorized+xla"] if xla else [])
     order += ["per_example"] + (["per_example+xla"] if xla else [])
     skip = set(tried)
