@@ -242,3 +242,22 @@ def test_on_a_gpu_chunks_fit_the_hosts_memory_beside_the_writers_buffers(wide_ml
     # On the CPU the device memory the planner reads is the host's: no separate cap.
     cpu = run_problem(problem, probe=Probe(), strategy="vectorized", throughput_cap=False, ranges=[(0, 8)])
     assert "host_rows_cap" not in cpu.plan
+
+
+def test_calibration_doubles_only_when_the_slower_timed_call_pays(small_mlp):
+    """Each size is timed twice after its first call; the faster counts for the rates, but a doubling
+    must pay on the slower one too: one fast call must not grow the chunk (and its memory)."""
+    problem = build_problem(small_mlp, {"x": rand((8, 8))})
+
+    def calibrate(second_16: float) -> object:
+        run = ChunkRun(problem, Plan(strategy="vectorized"), Probe(), budget=None, chunk_rows=None,
+                       throughput_cap=True, refine="never", try_xla=False, pinned=False, on_plan=None)
+        for k, seconds, first in [(8, 1.0, True), (8, 0.08, False), (8, 0.08, False),
+                                  (16, 1.0, True), (16, 0.10, False), (16, second_16, False)]:
+            run.measured("vectorized", k, seconds, 1000 * k, first, 10_000)
+        return run.cal["vectorized"]
+
+    steady = calibrate(0.10)          # 16 rows in 0.10 s both times: 1.6x the rows/s of 8, keep doubling
+    assert steady.k == 32 and not steady.done
+    lucky = calibrate(0.16)           # one call 1.6x, the other no faster than 8 rows: stop at 16
+    assert lucky.done and lucky.k == 16 and lucky.seconds[16] == 0.10

@@ -21,7 +21,8 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   after a job or two.
 - Calibration: each chunk size runs three times (the first call of a size is slower: allocator and
   oneDNN primitives; the faster of the next two counts), growing by doubling from ``FIRST_ROWS`` while rows/s improve by
-  ``MIN_GROWTH_GAIN`` (measured, and predicted for the next size) and the measured peak, doubled
+  ``MIN_GROWTH_GAIN`` (measured on the slower of the new size's timed calls, and predicted for the
+  next size) and the measured peak, doubled
   with a margin, still fits the memory limit. The chunk kept is the largest within ``FAST_ENOUGH``
   of the best rows/s, so calibration rarely peaks above the job's own chunks, and never above the
   limit. A job whose rows run out first settles on the sizes it timed (``ChunkRun.settle_unfinished``).
