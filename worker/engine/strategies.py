@@ -181,15 +181,19 @@ def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any
     return tf.reshape(out, tf.concat([[k32], batch, tf.shape(x)[1:]], 0))
 
 
+def _vectorized(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any) -> Any:
+    """All ``k`` rows by pfor over the seeds' VJPs (JVPs)."""
+    like, one = _row_fn(tf, problem, inputs)
+    return tf.vectorized_map(one, _seeds(tf, problem, like, start, k), fallback_to_while_loop=False)
+
+
 def _per_example(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any) -> Any:
     """A batch Jacobian's rows as ``(k, batch) + features``, by pfor over the examples (each a batch of
     one) of pfor over the ``k`` seeds: pfor computes loop-invariant values once, so whatever does not
     depend on the example (in reverse mode the seeds through the output layer, in forward mode through
     the first) is computed once for the batch instead of once per example."""
     def example(one: dict[str, Any]) -> Any:
-        like, row = _row_fn(tf, problem, {n: t[None] for n, t in one.items()})
-        seeds = _seeds(tf, problem, like, start, k)  # (k, 1) + features
-        return tf.vectorized_map(row, seeds, fallback_to_while_loop=False)[:, 0]
+        return _vectorized(tf, problem, {n: t[None] for n, t in one.items()}, start, k)[:, 0]  # (k,) + features
     rows = tf.vectorized_map(example, inputs, fallback_to_while_loop=False)  # (batch, k) + features
     return tf.transpose(rows, tf.concat([[1, 0], tf.range(2, tf.rank(rows))], 0))
 
@@ -200,13 +204,11 @@ def _body(tf: Any, problem: Problem, strategy: str) -> Callable[[Any, Any, dict[
             rows = _tiled(tf, problem, inputs, start, k)
         elif strategy == "per_example":
             rows = _per_example(tf, problem, inputs, start, k)
-        else:
+        elif strategy == "vectorized":
+            rows = _vectorized(tf, problem, inputs, start, k)
+        else:  # loop and eager: one row per call
             like, one = _row_fn(tf, problem, inputs)
-            seeds = _seeds(tf, problem, like, start, k)
-            if strategy == "vectorized":
-                rows = tf.vectorized_map(one, seeds, fallback_to_while_loop=False)
-            else:  # loop and eager: one row per call
-                rows = tf.expand_dims(one(seeds[0]), 0)
+            rows = tf.expand_dims(one(_seeds(tf, problem, like, start, k)[0]), 0)
         return tf.cast(rows, problem.dtype)
     return body
 
