@@ -67,9 +67,9 @@ class JobRun(ComputingAttempt):
         job, store = self.job, self.store
         if job.kind.matrix_free:
             if job.kind.value in PRODUCT_KINDS and (job.shards or 1) > 1 and job.rows is None:
-                stored = store.shard_plan(job.id)
-                if stored is not None and int(stored.get("shards") or 1) > 1:  # an earlier attempt split it
-                    return self._fan_out(ShardPlan.from_json(stored))
+                earlier = self._earlier_split()
+                if earlier is not None:
+                    return earlier
                 split = self._split_products()
                 if split is not None:
                     return split
@@ -83,9 +83,9 @@ class JobRun(ComputingAttempt):
                 return self._succeed(outcome)
             sparsity = outcome.sparsity
             log.info("job %s: computed densely: %s", job.id, sparsity.get("fallback"))
-        stored = store.shard_plan(job.id)
-        if stored is not None and int(stored.get("shards") or 1) > 1:  # an earlier attempt split the job
-            return self._fan_out(ShardPlan.from_json(stored))
+        earlier = self._earlier_split()
+        if earlier is not None:
+            return earlier
         problem, plan = self.load_problem()
         noted = {} if sparsity is None else {"sparsity": sparsity}
         reported = int((record.progress or {}).get("rows_done") or 0)  # by an earlier attempt
@@ -180,6 +180,13 @@ class JobRun(ComputingAttempt):
                     self.store.update_shard_progress(job.id, i, Progress.of(rows, hi - lo, 0.0).model_dump(),
                                                      computed_rows=rows)
         return self._fan_out(stored)
+
+    def _earlier_split(self) -> dict[str, Any] | None:
+        """The shards again when an earlier attempt of this job split it (its shard plan is stored), else None."""
+        stored = self.store.shard_plan(self.job.id)
+        if stored is not None and int(stored.get("shards") or 1) > 1:
+            return self._fan_out(ShardPlan.from_json(stored))
+        return None
 
     def _split_products(self) -> dict[str, Any] | None:
         """A product job with ``shards`` > 1: the ``products`` array created, its seeds split on storage blocks
