@@ -20,7 +20,6 @@ import numpy as np
 from app.errors import InvalidRequest, NonFiniteInput, SignatureMismatch
 from contracts import rules
 from contracts.jobspec import (
-    MATRIX_FREE_HESSIAN_KINDS,
     PRODUCT_KINDS,
     SEEDS_MEMBER,
     JobOptions,
@@ -30,6 +29,7 @@ from contracts.jobspec import (
     PatternFrom,
 )
 from contracts.jobstore import JobNotFound, JobStore
+from contracts.kinds import kind_spec
 from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
 
 
@@ -170,17 +170,52 @@ def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[st
                                  field="wrt")
     else:
         wrt = resolve_wrt(options.wrt, sig, variables)
-    if kind in MATRIX_FREE_HESSIAN_KINDS:
+    spec = kind_spec(kind)
+    if spec.scalar_of:
         with _as_signature_mismatch():
             rules.check_hessian(of, sig.outputs[of].shape, options.reduce, outputs=sig.outputs)
-    if kind in PRODUCT_KINDS and seeds is None:
-        along = "(k,) + of.shape (cotangents)" if kind == "vjp" else "(k,) + wrt.shape (tangents)"
+    if spec.seeds is not None and seeds is None:
+        along = "(k,) + of.shape (cotangents)" if spec.seeds == "of" else "(k,) + wrt.shape (tangents)"
         raise InvalidRequest(f"seeds: kind {kind!r} needs seeds of shape {along}: the JSON field 'seeds', or the "
                              f"member {SEEDS_MEMBER!r} of the .npz", field="seeds")
-    if kind not in PRODUCT_KINDS and seeds is not None:
+    if spec.seeds is None and seeds is not None:
         raise InvalidRequest(f"seeds: only the product kinds ({', '.join(PRODUCT_KINDS)}) take seeds; remove them",
                              field="seeds")
     return of, wrt
+
+
+def check_sources(options: JobOptions, sig: Signature, of: str, wrt: str | list[str],
+                  described: Mapping[str, Described], variables: Mapping[str, TensorSpec], *,
+                  max_result_bytes: int) -> None:
+    """A dense kind over several sources (``wrt`` a list or ``variables/*``): each source under the kind's rules
+    (a batch Jacobian's inputs share ``of``'s batch axis) and the result, over their summed size, under
+    ``max_result_bytes``."""
+    names = [VARIABLE_PREFIX + n for n, v in variables.items() if getattr(v, "trainable", None) is not False] \
+        if wrt == "variables/*" else list(wrt)
+    of_spec = sig.outputs[of]
+    total, dtype = 0, of_spec.dtype
+    for name in names:
+        spec = variables[name[len(VARIABLE_PREFIX):]] if name.startswith(VARIABLE_PREFIX) else None
+        shape = spec.shape if spec is not None else tuple(described[name].shape)
+        with _as_signature_mismatch():
+            rules.check_kind(options.kind.value, of=of, of_shape=of_spec.shape, wrt=name, wrt_shape=shape,
+                             reduce=options.reduce, outputs=sig.outputs)
+        if shape is None or any(d is None for d in shape):
+            return   # a size only the worker can know
+        per = math.prod(shape[1:]) if options.kind == Kind.batch_jacobian else math.prod(shape)
+        total += per
+        dtype = rules.result_dtype(dtype, spec.dtype if spec is not None else described[name].dtype.name)
+    if of_spec.shape is None or any(d is None for d in of_spec.shape[1:]):
+        return
+    batch = {described[n].shape[0] for n, s in sig.inputs.items() if s.shape and s.shape[0] is None and n in described}
+    lead = of_spec.shape[0] if of_spec.shape and of_spec.shape[0] is not None else (next(iter(batch)) if batch else 1)
+    of_elements = math.prod((lead,) + tuple(of_spec.shape[1:])) if of_spec.shape else 1
+    elements = total * total if options.kind == Kind.hessian else of_elements * total
+    size = elements * np.dtype(rules.result_dtype(dtype, dtype, options.output_dtype)).itemsize
+    if size > max_result_bytes:
+        raise InvalidRequest(f"wrt: the result over these {len(names)} sources would be {size} bytes, over the "
+                             f"limit of {max_result_bytes} (JACOBIAN_MAX_RESULT_BYTES); name fewer sources, use a "
+                             "matrix-free kind (jvp, vjp, svd, ...) or output_dtype='float16'", field="wrt")
 
 
 # -- sparsity ------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from contracts.jobspec import (
     QueuedJob,
 )
 from contracts.jobstore import JobRecord, JobStore
+from contracts.kinds import kind_spec, several_wrt
 from contracts.settings import Settings
 
 JSON_MEDIA_TYPE = "application/json"
@@ -123,9 +124,14 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
                                           signature_field="model.signature" if job else "signature")
 
     def check(described: Mapping[str, checks.Described]) -> tuple[str, Any]:
-        if options.kind.matrix_free:
-            return checks.check_matrix_free(options, sig, described, info.variables_of(sig.name),
-                                            seeds=seeds_given(described))
+        spec = kind_spec(options.kind.value)
+        if spec.matrix_free or several_wrt(options.wrt):
+            variables = info.variables_of(sig.name)
+            of, wrt = checks.check_matrix_free(options, sig, described, variables, seeds=seeds_given(described))
+            if not spec.matrix_free:   # a dense kind over several sources: each one's rules, the summed size
+                checks.check_sources(options, sig, of, wrt, described, variables,
+                                     max_result_bytes=settings.max_result_bytes)
+            return of, wrt
         checks.check_signature(described, sig)
         of = checks.resolve_of(options.of, sig)
         variables = info.variables_of(sig.name)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts.kinds import KINDS, Family, kind_spec, kinds_taking, kinds_where
+
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
                     "uint8", "uint16", "uint32", "uint64", "bool")
 DIFFERENTIABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -34,13 +36,22 @@ class Kind(str, Enum):
     @property
     def matrix_free(self) -> bool:
         """Products and spectra: computed from JVPs, VJPs or HVPs, never as the matrix."""
-        return self.value in MATRIX_FREE_KINDS
+        return kind_spec(self.value).matrix_free
+
+    @property
+    def spec(self) -> object:
+        """This kind's ``contracts.kinds.KindSpec``."""
+        return kind_spec(self.value)
 
 
-PRODUCT_KINDS = ("jvp", "vjp", "hvp")                       # products of seeds
-SPECTRAL_KINDS = ("svd", "hessian_eig", "hessian_trace")    # spectra
+assert {k.value for k in Kind} == set(KINDS), "contracts.kinds.KINDS and jobspec.Kind must name the same kinds"
+
+# Derived from the registry (contracts.kinds): never listed by hand.
+DENSE_KINDS = kinds_where(family=Family.dense)
+PRODUCT_KINDS = kinds_where(family=Family.products)         # products of seeds
+SPECTRAL_KINDS = kinds_where(family=Family.spectral)        # spectra
 MATRIX_FREE_KINDS = PRODUCT_KINDS + SPECTRAL_KINDS
-MATRIX_FREE_HESSIAN_KINDS = ("hvp", "hessian_eig", "hessian_trace")  # need a scalar of (or reduce="sum")
+MATRIX_FREE_HESSIAN_KINDS = tuple(k for k in MATRIX_FREE_KINDS if kind_spec(k).scalar_of)  # scalar of (or reduce)
 SEEDS_MEMBER = "__seeds__"  # the seeds' name in an .npz body, in inputs_uri and in the stored inputs.npz
 
 
@@ -133,8 +144,8 @@ class JobOptions(BaseModel):
     of: str | None = Field(None, description="output name; may be omitted when the signature has one output")
     wrt: str | list[str] | None = Field(
         None, description="input name or 'variables/<name>'; may be omitted when unambiguous; "
-        "for the matrix-free kinds also a list of them or 'variables/*' (every trainable variable), concatenated "
-        "into one wrt axis")
+        "also a list of them or 'variables/*' (every trainable variable), concatenated into one wrt axis "
+        "(wrt_slices in the result says where each lies); batch_jacobian takes inputs with a batch axis only")
     kind: Kind = Kind.jacobian
     mode: Mode = Mode.auto
     reduce: str | None = Field(None, description="'sum' to take the Hessian of sum(of) for a non-scalar of")
@@ -181,19 +192,27 @@ class JobOptions(BaseModel):
     def _check(self) -> JobOptions:
         if self.reduce not in (None, "sum"):
             raise ValueError(f"reduce: {self.reduce!r} is not supported; use 'sum' or omit it")
-        if isinstance(self.wrt, list) and not self.kind.matrix_free and len(self.wrt) != 1:
-            raise ValueError(f"wrt: a list of names is taken by the matrix-free kinds ({', '.join(MATRIX_FREE_KINDS)}) "
-                             f"so far; kind {self.kind.value!r} takes one name")
-        if isinstance(self.wrt, list) and len(self.wrt) == 1 and not self.kind.matrix_free:
+        spec = kind_spec(self.kind.value)
+        if isinstance(self.wrt, list) and len(self.wrt) == 1:
             self.wrt = self.wrt[0]
+        several = isinstance(self.wrt, list) or self.wrt == "variables/*"
+        if several and not spec.several_wrt:
+            raise ValueError(f"wrt: kind {spec.name!r} takes one name; give one input or 'variables/<name>'")
         if isinstance(self.wrt, list) and not 1 <= len(self.wrt) <= MAX_INPUTS + 1024:
             raise ValueError(f"wrt: a list of {len(self.wrt)} names; give 1 to {MAX_INPUTS + 1024}, or 'variables/*'")
-        for name, kinds in (("rank", ("svd", "hessian_eig")), ("tol", ("svd", "hessian_eig")),
-                            ("samples", ("hessian_trace",))):
+        if spec.batch_axis:
+            named = self.wrt if isinstance(self.wrt, list) else [self.wrt or ""]
+            variables = [n for n in named if n.startswith("variables/")]
+            if variables:
+                raise ValueError(f"wrt: kind {spec.name!r} differentiates per example, and {variables[0]!r} has no "
+                                 "batch axis; name inputs with a batch axis, or use kind 'jacobian' for variables")
+        for name in ("rank", "tol", "samples"):
+            kinds = kinds_taking(name)
             if getattr(self, name) is not None and self.kind.value not in kinds:
                 raise ValueError(f"{name}: only for kind {' or '.join(repr(k) for k in kinds)}; remove it")
-        if self.kind.value in ("svd", "hessian_eig") and self.rank is None:
-            raise ValueError(f"rank: kind {self.kind.value!r} needs rank, how many values to compute (e.g. 5)")
+        for name in spec.required:
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: kind {spec.name!r} needs {name}, how many values to compute (e.g. 5)")
         if self.output_dtype is not None and self.output_dtype not in STORABLE_DTYPES:
             raise ValueError(f"output_dtype: {self.output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); "
                              f"use one of {', '.join(STORABLE_DTYPES)}")
@@ -203,9 +222,10 @@ class JobOptions(BaseModel):
 
     def _check_sparsity(self) -> None:
         """``sparsity`` only for kind ``jacobian`` with respect to one signature input."""
-        if self.kind != Kind.jacobian:
-            raise ValueError(f"sparsity: only for kind 'jacobian' (a sparse result is J's non-zeros), not "
-                             f"{self.kind.value!r}; remove sparsity or use kind='jacobian'")
+        if not kind_spec(self.kind.value).sparsity:
+            sparse = " or ".join(repr(k) for k in kinds_where(sparsity=True))
+            raise ValueError(f"sparsity: only for kind {sparse} (a sparse result is J's non-zeros), not "
+                             f"{self.kind.value!r}; remove sparsity or use kind={sparse}")
         if isinstance(self.wrt, list) or (self.wrt or "").startswith("variables/"):
             raise ValueError(f"sparsity: works with respect to one signature input, not {self.wrt!r}; name one "
                              "input as wrt (no list, no variables/...) or remove sparsity")

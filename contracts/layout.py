@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from contracts.kinds import KINDS, spec_or_jacobian
+
 RESULT_GROUP = "result.zarr"   # the job's Zarr v3 group (consolidated metadata); ``result.uri`` points at it
 JACOBIAN_ARRAY = "jacobian"    # the dense kinds' array in that group
 RESULT_ARRAY = f"{RESULT_GROUP}/{JACOBIAN_ARRAY}"  # its path under the job folder
 # The array rows are read from (GET .../result?rows=, preview.png), by kind; the dense kinds' is ``jacobian``.
-MAIN_ARRAYS = {"jvp": "products", "vjp": "products", "hvp": "products", "svd": "S", "hessian_eig": "eigenvalues",
-               "hessian_trace": "trace"}
+MAIN_ARRAYS = {name: spec.main_array for name, spec in KINDS.items() if spec.matrix_free}
 
 
 SPARSE_FORMAT = "coo"  # group attribute ``format`` of a sparse Jacobian: arrays rows, cols, values, indptr
@@ -49,9 +50,10 @@ def dimension_names(kind: str, of_shape: tuple[int, ...], wrt_shape: tuple[int, 
     ``wrt`` axes is ``wrt2_0, ...``."""
     of_names = [f"of_{i}" for i in range(len(of_shape))]
     wrt_names = [f"wrt_{i}" for i in range(len(wrt_shape))]
-    if kind == "hessian":
+    spec = spec_or_jacobian(kind)
+    if spec.scalar_of:
         return wrt_names + [f"wrt2_{i}" for i in range(len(wrt_shape))]
-    if kind == "batch_jacobian":
+    if spec.batch_axis:
         return ["batch"] + of_names[1:] + wrt_names[1:]
     return of_names + wrt_names
 

@@ -36,11 +36,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from contracts.jobspec import DIFFERENTIABLE_DTYPES, STORABLE_DTYPES
+from contracts.jobspec import DENSE_KINDS, DIFFERENTIABLE_DTYPES, STORABLE_DTYPES
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS as MATRIX_FREE_HESSIAN_KINDS  # the rulebook's, re-exported
+from contracts.kinds import kind_spec
 from contracts.savedmodel import VARIABLE_PREFIX, Shape, strip_variable_suffix
 
-KINDS = ("jacobian", "batch_jacobian", "hessian")
+KINDS = DENSE_KINDS   # the kinds this rulebook's dense rules cover (contracts.kinds: family dense)
 MODES = ("auto", "reverse", "forward")
 REDUCES = ("sum",)
 MAX_LISTED = 10  # names listed in a message before "... and N more"
@@ -294,9 +295,10 @@ def check_kind(kind: str, *, of: str, of_shape: Shape, wrt: str, wrt_shape: Shap
                outputs: Mapping[str, Described] | None = None) -> None:
     """The kind's own rules on the shapes of ``of`` and ``wrt`` (declared ones, or concrete ones)."""
     check_options(kind=kind, reduce=reduce)
-    if kind == "hessian":
+    spec = kind_spec(kind)
+    if spec.scalar_of:
         check_hessian(of, of_shape, reduce, outputs=outputs)
-    elif kind == "batch_jacobian":
+    elif spec.batch_axis:
         check_batch_axes(of, of_shape, wrt, wrt_shape)
 
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,29 +47,46 @@ def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
             "eigenvalues": ["k"], "eigenvectors": ["k"] + wrt, "trace": [], "stderr": []}
 
 
-def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: str, seeds: np.ndarray | None = None,
-                               rank: int | None = None, tol: float | None = None, samples: int | None = None,
-                               chunk_size: int | None = None,
-                               on_progress: Callable[[int, int | None], None] | None = None,
-                               should_stop: Callable[[], bool] | None = None,
-                               manifest_fields: dict[str, Any] | None = None,
-                               created_at: float | None = None, block_bytes: int | None = None) -> dict[str, Any]:
-    """Run ``kind`` on ``op`` (``worker.engine.matfree.build_operator``) and store it; returns the manifest.
-    ``on_progress(done, total)``: seeds done (products) or iterations (spectra); ``block_bytes``: the products'
-    storage blocks (default 32 MiB), the unit a retried job resumes from. Raises ``EngineError``
-    (``Stopped`` on cancel, ``InvalidRequest`` naming ``seeds``, ``rank``, ``tol``, ``samples``)."""
-    from worker.engine import spectra
-    from worker.engine.matfree import run_products
+@dataclass
+class MatFreeRun:
+    """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``, ``rank``, ``tol``,
+    ``samples``), ``chunk_size`` (None: planned from memory), ``on_progress(done, total)`` (seeds or iterations),
+    ``should_stop``, what the manifest adds, ``block_bytes`` (the products' storage blocks, default 32 MiB: the
+    unit a retried job resumes from) and, for a shard, its seeds ``rows`` written into the existing array."""
 
+    results_url: str
+    job_id: str
+    seeds: np.ndarray | None = None
+    rank: int | None = None
+    tol: float | None = None
+    samples: int | None = None
+    chunk_size: int | None = None
+    on_progress: Callable[[int, int | None], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    manifest_fields: dict[str, Any] | None = None
+    created_at: float | None = None
+    block_bytes: int | None = None
+    rows: tuple[int, int] | None = None
+    create: bool = True
+
+
+def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: str, **options: Any) -> dict[str, Any]:
+    """Run ``kind`` on ``op`` (``worker.engine.matfree.build_operator``) and store it; returns the manifest.
+    ``options``: the fields of ``MatFreeRun``. Raises ``EngineError`` (``Stopped`` on cancel, ``InvalidRequest``
+    naming ``seeds``, ``rank``, ``tol``, ``samples``)."""
+    from worker.engine import spectra
+
+    run = MatFreeRun(results_url=results_url, job_id=job_id, **options)
+    rank, tol, samples, chunk_size = run.rank, run.tol, run.samples, run.chunk_size
+    on_progress, should_stop = run.on_progress, run.should_stop
     base = storage.normalize(job_url(results_url, job_id))
     group_url = storage.join(base, RESULT_GROUP)
     dims = dimension_names(op, kind)
     t0 = time.monotonic()
     if kind in PRODUCT_KINDS:
-        if seeds is None:
+        if run.seeds is None:
             raise _missing("seeds", kind)
-        result, stored = _products(op, kind, np.asarray(seeds), results_url, job_id, dims, chunk_size,
-                                   on_progress, should_stop, run_products, block_bytes)
+        result, stored = _products(op, kind, run)
     else:
         storage.delete_prefix(group_url)
         stored = {}
@@ -90,7 +108,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     seconds = time.monotonic() - t0
     shapes = {name: list(np.shape(a)) for name, a in result.arrays.items()} | stored
     finished = iso_time(time.time())
-    created = iso_time(created_at or time.time())
+    created = iso_time(run.created_at or time.time())
     plan = {"kind": kind, "method": result.method, "iterations": result.iterations, "products": result.products,
             "converged": result.converged, "run_seconds": round(seconds, 3), "labels": dict(op.labels),
             "oom_retries": op.oom_retries}
@@ -101,7 +119,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                 "of": op.of, "wrt": list(op.axis.names), "wrt_slices": op.axis.slices,
                 "model": {"path": op.model.path, "signature": op.model.signature},
                 "created_at": created, "finished_at": finished,
-                **{k: v for k, v in (manifest_fields or {}).items() if v is not None}}
+                **{k: v for k, v in (run.manifest_fields or {}).items() if v is not None}}
     if result.residuals is not None:
         manifest["residuals"] = [float(r) for r in np.asarray(result.residuals, np.float64)]
     write_manifest(base, manifest)
@@ -124,18 +142,19 @@ def products_writer(op: Any, kind: str, k: int, results_url: str, job_id: str, *
                         block_bytes=block_bytes or BLOCK_BYTES, rows=rows, create=create)
 
 
-def _products(op: Any, kind: str, seeds: np.ndarray, results_url: str, job_id: str, dims: dict[str, list[str]],
-              chunk_size: int | None, on_progress: Any, should_stop: Any, run_products: Any,
-              block_bytes: int | None, rows: tuple[int, int] | None = None, create: bool = True) -> Any:
+def _products(op: Any, kind: str, run: MatFreeRun) -> Any:
     """Products streamed into the ``products`` array by a ``ResultWriter`` (one commit marker per storage block
-    of seeds): a retried job computes only the seeds of blocks not committed yet. ``rows``/``create``: a
+    of seeds): a retried job computes only the seeds of blocks not committed yet. ``run.rows``/``run.create``: a
     shard's seeds, written into the array its planner made."""
     from worker.engine.errors import Stopped
+    from worker.engine.matfree import run_products
 
-    del dims
+    seeds = np.asarray(run.seeds)
+    on_progress, should_stop, chunk_size = run.on_progress, run.should_stop, run.chunk_size
     k = int(seeds.shape[0]) if seeds.ndim else 0
     dtype = np.dtype(op.dtype)
-    writer = products_writer(op, kind, k, results_url, job_id, block_bytes=block_bytes, rows=rows, create=create)
+    writer = products_writer(op, kind, k, run.results_url, run.job_id, block_bytes=run.block_bytes, rows=run.rows,
+                             create=run.create)
     row_shape = writer.layout.row_shape
     result, spent = None, dict.fromkeys(("jvp", "vjp", "hvp", "checks"), 0)
     try:
@@ -225,15 +244,13 @@ def _missing(field: str, kind: str) -> Exception:
 
 
 def compute_products_shard(op: Any, kind: str, seeds: np.ndarray, *, results_url: str, job_id: str,
-                           rows: tuple[int, int], block_bytes: int | None = None, chunk_size: int | None = None,
-                           on_progress: Callable[[int, int | None], None] | None = None,
-                           should_stop: Callable[[], bool] | None = None) -> dict[str, int]:
+                           rows: tuple[int, int], **options: Any) -> dict[str, int]:
     """One shard of a sharded product job: seeds ``rows`` into the ``products`` array its planner created
-    (``products_writer(create=True)``), resuming from the committed blocks; returns the products spent."""
-    from worker.engine.matfree import run_products
-
-    result, _ = _products(op, kind, np.asarray(seeds), results_url, job_id, {}, chunk_size, on_progress,
-                          should_stop, run_products, block_bytes, rows=rows, create=False)
+    (``products_writer(create=True)``), resuming from the committed blocks; returns the products spent.
+    ``options``: ``block_bytes``, ``chunk_size``, ``on_progress``, ``should_stop`` (``MatFreeRun``)."""
+    run = MatFreeRun(results_url=results_url, job_id=job_id, seeds=np.asarray(seeds), rows=rows, create=False,
+                     **options)
+    result, _ = _products(op, kind, run)
     return dict(result.products)
 
 

@@ -71,10 +71,41 @@ def manifest_fields_for(attrs: dict[str, Any], *, plan: dict[str, Any], created_
 REDO_ROUNDS = 3  # computing again the rows a strategy found wrong delivered: once per strategy, at most
 
 
+@dataclass
+class DenseRun:
+    """One run of a dense problem into ``{results_url}/{job_id}/``: what it needs beside the problem.
+
+    ``rows``: a shard's range (None: all; the manifest is written only then); ``plan`` (``worker.engine.Plan``)
+    the strategy and what is known of it, ``on_learned`` receives it updated by this run; ``strategy`` pins
+    the chunk strategy; ``refine`` goes to ``run_problem``; ``block_bytes``: the storage block size (None: the
+    layout's default); ``create=False`` (a shard) writes into the existing array and never recreates it.
+    """
+
+    results_url: str
+    job_id: str
+    rows: tuple[int, int] | None = None
+    memory_budget_bytes: int | None = None
+    chunk_rows: int | None = None
+    on_plan: Callable[[dict[str, Any]], None] | None = None
+    on_progress: Callable[[Progress], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    manifest_fields: dict[str, Any] | None = None
+    created_at: float | None = None
+    strategy: str | None = None
+    block_bytes: int | None = None
+    create: bool = True
+    plan: Plan | None = None
+    refine: str = "auto"
+    on_learned: Callable[[Plan], None] | None = None
+    probe: MemoryProbe | None = None
+    try_xla: bool = True
+
+
 def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, precision: str = "highest",
                        **options: Any) -> dict[str, Any]:
-    """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/`` (``compute_once``),
-    with TensorFloat-32 on only for ``precision="tf32"`` (``devices.tensor_float_32``).
+    """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/`` (``compute_once``,
+    ``options`` the fields of ``DenseRun``), with TensorFloat-32 on only for ``precision="tf32"``
+    (``devices.tensor_float_32``).
 
     When a strategy is found wrong after it had delivered rows (``WrongRowsDelivered``: a trial against
     the eager reference rows caught it), the storage blocks holding those rows are uncommitted and
@@ -82,52 +113,43 @@ def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, preci
     """
     from worker.engine.devices import tensor_float_32
 
+    run = DenseRun(results_url=results_url, job_id=job_id, **options)
     with tensor_float_32(precision == "tf32"):
-        return _compute_redoing(problem, results_url=results_url, job_id=job_id, **options)
+        return _compute_redoing(problem, run)
 
 
-def _compute_redoing(problem: Problem, *, results_url: str, job_id: str, **options: Any) -> dict[str, Any]:
+def _compute_redoing(problem: Problem, run: DenseRun) -> dict[str, Any]:
     for _ in range(REDO_ROUNDS):
         try:
-            return compute_once(problem, results_url=results_url, job_id=job_id, **options)
+            return compute_once(problem, run)
         except WrongRowsDelivered as err:
-            uncommit_rows(results_url, job_id, problem.layout, err.ranges, block_bytes=options.get("block_bytes"))
-            options["plan"] = err.learned
-            if options.get("on_learned") is not None:
-                options["on_learned"](err.learned)
-            log.warning("job %s: %s; their storage blocks are computed again", job_id, err)
-    return compute_once(problem, results_url=results_url, job_id=job_id, **{**options, "refine": "never"})
+            uncommit_rows(run.results_url, run.job_id, problem.layout, err.ranges, block_bytes=run.block_bytes)
+            run.plan = err.learned
+            if run.on_learned is not None:
+                run.on_learned(err.learned)
+            log.warning("job %s: %s; their storage blocks are computed again", run.job_id, err)
+    run.refine = "never"
+    return compute_once(problem, run)
 
 
-def compute_once(problem: Problem, *, results_url: str, job_id: str, rows: tuple[int, int] | None = None,
-                       memory_budget_bytes: int | None = None, chunk_rows: int | None = None,
-                       on_plan: Callable[[dict[str, Any]], None] | None = None,
-                       on_progress: Callable[[Progress], None] | None = None,
-                       should_stop: Callable[[], bool] | None = None,
-                       manifest_fields: dict[str, Any] | None = None,
-                       created_at: float | None = None, strategy: str | None = None,
-                       block_bytes: int | None = None, create: bool = True, plan: Plan | None = None,
-                       refine: str = "auto", on_learned: Callable[[Plan], None] | None = None,
-                       probe: MemoryProbe | None = None, try_xla: bool = True) -> dict[str, Any]:
-    """Compute the pending rows of ``problem`` and stream them to ``{results_url}/{job_id}/``.
+def compute_once(problem: Problem, run: DenseRun) -> dict[str, Any]:
+    """Compute the pending rows of ``problem`` and stream them to ``{run.results_url}/{run.job_id}/``.
 
-    Resumes from committed blocks; writes ``manifest.json`` last (not for a shard, ``rows`` given).
-    ``plan`` (``worker.engine.Plan``) is the strategy and what is known of it; ``on_learned`` receives
-    it updated by this run, to store. ``strategy`` pins the chunk strategy; ``refine`` is passed to
-    ``run_problem``; ``block_bytes`` is the storage block size (None: the layout's default);
-    ``create=False`` (a shard) writes into the existing array and never recreates it. Returns the
-    manifest. Raises ``EngineError`` (``Stopped`` on cancel), ``ResultWriteError``.
+    Resumes from committed blocks; writes ``manifest.json`` last (not for a shard, ``run.rows`` given).
+    Returns the manifest. Raises ``EngineError`` (``Stopped`` on cancel), ``ResultWriteError``.
     """
     from worker.engine import run_problem
 
+    results_url, job_id, rows = run.results_url, run.job_id, run.rows
     try:
-        writer = ResultWriter.for_problem(results_url, job_id, problem, rows=rows, create=create,
-                                          block_bytes=block_bytes)
+        writer = ResultWriter.for_problem(results_url, job_id, problem, rows=rows, create=run.create,
+                                          block_bytes=run.block_bytes)
     except (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError):
         raise
     except OSError as err:
         raise ResultWriteError(f"storage: cannot open the result at {job_url(results_url, job_id)}: {err}") from err
     progress = ProgressMeter(rows_total=writer.rows_total, rows_done=writer.rows_committed)
+    on_plan, on_progress = run.on_plan, run.on_progress
     if on_progress:
         on_progress(progress.snapshot())
     plan_now: dict[str, Any] = {}
@@ -154,6 +176,7 @@ def compute_once(problem: Problem, *, results_url: str, job_id: str, rows: tuple
         chunk_clock["t"] = time.monotonic()
 
     ranges = writer.pending_ranges()
+    chunk_rows = run.chunk_rows
     if chunk_rows is not None:  # a forced chunk larger than the job would compute padding rows
         chunk_rows = max(1, min(int(chunk_rows), writer.layout.rows_total))
     if not ranges and rows is None and storage.exists(writer.manifest_url):
@@ -161,20 +184,21 @@ def compute_once(problem: Problem, *, results_url: str, job_id: str, rows: tuple
         return dict(json.loads(storage.read_bytes(writer.manifest_url)))
     try:
         if ranges:
-            report = run_problem(problem, ranges=ranges, memory_budget_bytes=memory_budget_bytes,
+            report = run_problem(problem, ranges=ranges, memory_budget_bytes=run.memory_budget_bytes,
                                  chunk_rows=chunk_rows, on_plan=take_plan, on_chunk=take_chunk,
-                                 should_stop=should_stop, strategy=strategy, plan=plan, refine=refine,
-                                 probe=probe, try_xla=try_xla, host_reserved_bytes=writer.host_bytes)
+                                 should_stop=run.should_stop, strategy=run.strategy, plan=run.plan,
+                                 refine=run.refine, probe=run.probe, try_xla=run.try_xla,
+                                 host_reserved_bytes=writer.host_bytes)
             plan_now.update(report.plan or {})
             plan_now.update({"rows_computed": report.rows_computed, "run_seconds": round(report.seconds, 3)})
-            if on_learned is not None:
-                on_learned(report.learned)
+            if run.on_learned is not None:
+                run.on_learned(report.learned)
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    fields = manifest_fields_for(problem.attrs, plan=plan_now, created_at=created_at)
-    fields.update({k: v for k, v in (manifest_fields or {}).items() if v is not None})
+    fields = manifest_fields_for(problem.attrs, plan=plan_now, created_at=run.created_at)
+    fields.update({k: v for k, v in (run.manifest_fields or {}).items() if v is not None})
     manifest = {**writer.manifest_base(), **fields}
     if rows is None:
         writer.write_manifest(fields)

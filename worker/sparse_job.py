@@ -12,19 +12,23 @@ in memory); a cached pattern makes that cheap.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from contracts import storage
-from contracts.layout import RESULT_GROUP, job_url
+from contracts.layout import COMMITTED_DIR, RESULT_GROUP, job_url
 from contracts.records import iso_time
 from worker import result_group
 from worker.storage import jsonable, write_manifest
+
+if TYPE_CHECKING:
+    from worker.execution.context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -55,36 +59,34 @@ def source_of(sparsity: Any) -> str:
     return str(sparsity)
 
 
-def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | None, wrt: str | None,
-                              sparsity: Any, results_url: str, job_id: str, probe: Any = None,
-                              budget_bytes: int | None = None, chunk_size: int | None = None,
-                              cache_dir: str | None = None, output_dtype: str | None = None,
-                              on_progress: Callable[[int, int], None] | None = None,
-                              should_stop: Callable[[], bool] | None = None,
-                              previous: Callable[[str], Any] | None = None,
-                              shared_cache: Any = None, created_at: float | None = None,
-                              manifest_fields: dict[str, Any] | None = None) -> dict[str, Any] | DenseInstead:
-    """The sparse Jacobian of ``of`` w.r.t. the input ``wrt``; ``previous(job_id)`` gives an earlier job's
-    result group URL (``pattern_from``); ``shared_cache``: detected patterns shared by the workers
-    (``patterns.SharedBlobs``). Raises ``EngineError`` (``InvalidRequest`` naming ``sparsity``)."""
+def compute_sparse_to_storage(ctx: RunContext, *, shared_cache: Any = None) -> dict[str, Any] | DenseInstead:
+    """The sparse Jacobian of ``ctx.job`` (``of`` w.r.t. one input ``wrt``, option ``sparsity``), with the loaders,
+    budget and callbacks of ``ctx`` (``worker.execution.RunContext``); ``ctx.previous_result(job_id)`` gives an
+    earlier job's result group URL (``pattern_from``); ``shared_cache``: detected patterns shared by the workers
+    (``patterns.SharedBlobs``). The compressed products are stored block by block as they come: a retried job
+    computes only the colour blocks not committed (``compressed_products``). Raises ``EngineError``
+    (``InvalidRequest`` naming ``sparsity``)."""
     from worker.engine.matfree import build_operator
+    from worker.engine.plan_cache import default_cache_dir
     from worker.engine.sparsity import compressed
     from worker.engine.sparsity.patterns import cache_key
 
-    if hasattr(sparsity, "model_dump"):   # contracts.jobspec.PatternUri / PatternFrom
-        sparsity = sparsity.model_dump()
+    job, probe, budget_bytes = ctx.job, ctx.probe, ctx.budget_bytes
+    sparsity = job.sparsity.model_dump() if hasattr(job.sparsity, "model_dump") else job.sparsity
+    wrt = job.wrt if isinstance(job.wrt, str) or job.wrt is None else job.wrt[0]
+    model, inputs = ctx.load_model(), ctx.load_inputs()
     source = source_of(sparsity)
     run = SparseRun()
-    op = build_operator(model, inputs, of=of, wrt=wrt, output_dtype=output_dtype)
+    op = build_operator(model, inputs, of=job.of, wrt=wrt, output_dtype=job.output_dtype)
     _check_wrt(op)
     wrt_name = op.axis.names[0]
     n_of, n_wrt = op.n_of, op.n_wrt
     t0 = time.monotonic()
-    cache = _cache(cache_dir, shared_cache)
+    cache = _cache(ctx.cache_dir or str(default_cache_dir()), shared_cache)
     arrays = {n: np.asarray(v) for n, v in inputs.items()}
     key = cache_key(model, arrays, of=op.of, wrt=wrt_name) if source == "auto" else ""
-    pattern, colouring, reason = _pattern(model, op, arrays, sparsity, source, (n_of, n_wrt), cache, key, previous,
-                                          wrt_name)
+    pattern, colouring, reason = _pattern(model, op, arrays, sparsity, source, (n_of, n_wrt), cache, key,
+                                          ctx.previous_result, wrt_name)
     run.timed("pattern", t0)
     if pattern is None:
         return DenseInstead({"source": source, "nnz": None, "density": None, "colors": None, "verified": False,
@@ -109,23 +111,85 @@ def compute_sparse_to_storage(model: Any, inputs: dict[str, Any], *, of: str | N
             budget_bytes = HOST_CALL_BYTES
         op.plan_memory(probe, budget_bytes)
     t0 = time.monotonic()
-    products = compressed.compute(op, sp_plan.colouring, chunk_size=chunk_size, should_stop=should_stop,
-                                  progress=on_progress)
+    products, reused = compressed_products(ctx, op, sp_plan.colouring)
     run.timed("products", t0)
     t0 = time.monotonic()
     ok, worst = compressed.verify(op, pattern, sp_plan.colouring, products)
     run.timed("verify", t0)
     summary.update(verified=ok, verify_difference=float(f"{worst:.3g}"), seconds=run.seconds,
-                   products=int(sp_plan.colouring.count), label=op.labels.get("jvp") or op.labels.get("vjp"))
+                   products=int(sp_plan.colouring.count), label=op.labels.get("jvp") or op.labels.get("vjp"),
+                   colour_blocks_reused=reused)
     if not ok:
         log.warning("job %s: the sparse result failed verification (relative difference %.3g): computing densely",
-                    job_id, worst)
+                    job.id, worst)
         summary["fallback"] = (f"dense: u^T J from the sparse result differs from direct VJPs by {worst:.3g} of "
                                "its largest: the pattern misses entries")
         return DenseInstead(summary)
-    manifest = _write(op, pattern, sp_plan.colouring, products, summary, results_url=results_url, job_id=job_id,
-                      created_at=created_at, manifest_fields=manifest_fields, run=run)
-    return manifest
+    return _write(op, pattern, sp_plan.colouring, products, summary, results_url=job.results_url, job_id=job.id,
+                  created_at=ctx.created_at, manifest_fields={"model": ctx.model_ref(), **ctx.manifest_fields}, run=run)
+
+
+COMPRESSED_ARRAY = "compressed"   # the compressed products while they are computed; replaced by the COO arrays
+
+
+def compressed_products(ctx: RunContext, op: Any, colouring: Any) -> tuple[np.ndarray, int]:
+    """The compressed products ``(colours, n)`` (``compressed.compute``), stored as they come into the array
+    ``compressed`` of the result group, one commit marker per storage block of colours, and read back whole.
+    A retried job (another worker, after a kill) computes only the blocks not committed; a stored array of another
+    colouring is started over. Returns the products and the number of blocks reused."""
+    from contracts.layout import ResultLayout
+    from worker.engine.errors import Stopped
+    from worker.storage import ResultWriter
+
+    job = ctx.job
+    width = op.n_of if colouring.mode == "forward" else op.n_wrt
+    dtype = np.dtype(op.compute_dtype)
+    layout = ResultLayout((colouring.count, width), 0, 1, dtype.itemsize)
+    stamp = hashlib.sha256(np.ascontiguousarray(colouring.colours, np.int64).tobytes()).hexdigest()[:16]
+    attrs = {"kind": "jacobian", "stage": "compressed products", "mode": colouring.mode, "colouring": stamp}
+    _forget_other_colouring(job.results_url, job.id, stamp)
+    writer = ResultWriter(job.results_url, job.id, layout=layout, dtype=dtype, attrs=attrs, array=COMPRESSED_ARRAY,
+                          block_bytes=ctx.block_bytes)
+    reused = len(writer.blocks) - len(writer.pending_blocks())
+    log.info("job %s: sparse: %d of %d colour blocks reused from an earlier attempt, %d to compute", job.id, reused,
+             len(writer.blocks), len(writer.blocks) - reused,
+             extra={"event": "colour_blocks", "reused": reused, "blocks": len(writer.blocks)})
+    report = ctx.counter(colouring.count)
+    done = {"colours": writer.rows_committed}
+    report(done["colours"])
+    kind = "jvp" if colouring.mode == "forward" else "vjp"
+    seeds = colouring.seeds(op.compute_dtype)
+    try:
+        for start, stop in writer.pending_ranges():
+            def keep(offset: int, rows: np.ndarray, start: int = start) -> None:
+                writer.write_rows(start + offset, np.asarray(rows, dtype).reshape(len(rows), width))
+                done["colours"] += len(rows)
+                report(done["colours"])
+
+            op.apply(kind, seeds[start:stop], chunk_size=ctx.chunk_rows, should_stop=ctx.should_stop, on_chunk=keep,
+                     keep=False)
+        writer.close()
+    except Stopped:
+        writer.close()
+        raise
+    except BaseException:
+        writer.abort()
+        raise
+    group = storage.open_group(writer.group_url, mode="r")
+    return np.asarray(group[COMPRESSED_ARRAY][...]), reused
+
+
+def _forget_other_colouring(results_url: str, job_id: str, stamp: str) -> None:
+    """Remove stored compressed products (and their commit markers) of a colouring other than ``stamp``."""
+    base = storage.normalize(job_url(results_url, job_id))
+    try:
+        stored = storage.open_group(storage.join(base, RESULT_GROUP), mode="r").attrs.get("colouring")
+    except (FileNotFoundError, KeyError, ValueError, OSError):
+        return
+    if stored not in (None, stamp):
+        log.warning("job %s: stored compressed products are of another colouring; starting over", job_id)
+        storage.delete_prefix(storage.join(base, COMMITTED_DIR))
+        storage.delete_prefix(storage.join(base, RESULT_GROUP))
 
 
 def _host_free(probe: Any) -> int | None:
@@ -239,6 +303,7 @@ def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary:
                       "shape": [n_of, n_wrt], "of_shape": list(op.of_shape), "wrt_shape": list(op.axis.shape),
                       "sparsity": summary})
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
+    storage.delete_prefix(storage.join(base, COMMITTED_DIR))   # the compressed products' markers: replaced
     chunk = max(1, min(ENTRIES_PER_CHUNK, nnz))
     made = {}
     for name, kind in (("rows", np.int64), ("cols", np.int64), ("values", dtype)):

@@ -27,7 +27,7 @@ from app.plots import placeholder
 from app.sparse import SparseResult
 from app.spectrum import render_spectrum
 from app.spy import render_pattern
-from contracts.jobspec import PRODUCT_KINDS, SPECTRAL_KINDS
+from contracts.kinds import Family, spec_or_jacobian
 
 PNG_MEDIA_TYPE = "image/png"
 CACHE_ENTRIES = 32
@@ -45,15 +45,16 @@ def matrix_axes(kind: str | None, shape: tuple[int, ...], attrs: dict[str, Any])
     """``(batch, row_axes)``: whether axis 0 is the example axis, and how many axes after it are rows
     (the output's; the rest are the ``wrt`` columns)."""
     ndim = len(shape)
-    if kind in PRODUCT_KINDS:  # products: one row per seed, the product's elements across
+    spec = spec_or_jacobian(kind)
+    if spec.preview == "products":  # products: one row per seed, the product's elements across
         return False, min(1, ndim)
-    batch = kind == "batch_jacobian" and ndim >= 1
+    batch = spec.batch_axis and ndim >= 1
     lead = 1 if batch else 0
     wrt_shape = attrs.get("wrt_shape")
     of_shape = attrs.get("of_shape")
     if isinstance(wrt_shape, list):
         n_col = len(wrt_shape) - lead
-    elif kind == "jacobian" and isinstance(of_shape, list):
+    elif spec.family is Family.dense and not spec.scalar_of and not spec.batch_axis and isinstance(of_shape, list):
         n_col = ndim - len(of_shape)
     else:
         n_col = (ndim - lead) // 2
@@ -67,16 +68,15 @@ def _label(name: Any) -> str:
 
 def _titles(kind: str, of: str, wrt: str, batch: bool) -> tuple[str, str, str, str]:
     """``(title, value label, row tensor, column tensor)`` for a result of ``kind``."""
-    if kind == "hessian":
+    spec = spec_or_jacobian(kind)
+    if spec.family is Family.dense and spec.scalar_of:
         return f"Hessian of {of} with respect to {wrt}", f"∂²{of}/∂{wrt}²", wrt, wrt
-    if kind in PRODUCT_KINDS:
-        product = {"jvp": "J v", "vjp": "vᵀ J", "hvp": "H v"}[kind]
-        across = of if kind == "jvp" else wrt
-        return f"Products {product} of {of} w.r.t. {wrt}", product, "seeds", across
+    if spec.preview == "products":
+        across = of if spec.product_axes == "of" else wrt
+        return f"Products {spec.symbol} of {of} w.r.t. {wrt}", spec.symbol, "seeds", across
     if batch:
         return f"Batch Jacobian ∂{of}[i]/∂{wrt}[i]", f"∂{of}[i]/∂{wrt}[i]", f"{of}[i]", f"{wrt}[i]"
-    name = "Jacobian" if kind == "jacobian" else kind.replace("_", " ").capitalize()
-    return f"{name} ∂{of}/∂{wrt}", f"∂{of}/∂{wrt}", of, wrt
+    return f"Jacobian ∂{of}/∂{wrt}", f"∂{of}/∂{wrt}", of, wrt
 
 
 def render_preview(array: Any, *, kind: str | None, panels: int, size: int,
@@ -85,7 +85,7 @@ def render_preview(array: Any, *, kind: str | None, panels: int, size: int,
     attrs = dict(array.attrs)
     shape = tuple(int(d) for d in array.shape)
     kind = str(attrs.get("kind") or kind or "jacobian")
-    if kind in SPECTRAL_KINDS:
+    if spec_or_jacobian(kind).preview == "spectrum":
         stderr = attrs.get("stderr_value")
         return render_spectrum(np.asarray(array[...]), attrs, job_id=job_id, stderr=stderr), {}
     if isinstance(attrs.get("wrt"), list):

@@ -122,7 +122,9 @@ def test_a_job_falls_back_to_dense_when_detection_refuses(tmp_path):
 
     model = saved(tmp_path, "where_job", lambda m, x: tf.reduce_sum(tf.gather(x, tf.where(x > 0)[:, 0])) + 0 * x,
                   [4])
-    outcome = compute_sparse_to_storage(model, {"x": np.ones(4, np.float32)}, of="y", wrt="x", sparsity="auto",
-                                        results_url=str(tmp_path / "results"), job_id="w",
-                                        cache_dir=str(tmp_path / "cache"))
+    from worker.execution.local import local_context
+
+    ctx = local_context(model, {"x": np.ones(4, np.float32)}, of="y", wrt="x", sparsity="auto",
+                        results_url=str(tmp_path / "results"), job_id="w", cache_dir=str(tmp_path / "cache"))
+    outcome = compute_sparse_to_storage(ctx)
     assert isinstance(outcome, DenseInstead) and "Where" in outcome.sparsity["fallback"]

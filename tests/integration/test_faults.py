@@ -33,7 +33,7 @@ from contracts import storage
 from contracts.jobspec import JobStatus, ModelRef, QueuedJob
 from contracts.jobstore import JobNotFound, JobRecord, JobStore
 from contracts.settings import get_settings
-from tests import models
+from tests import models, sparse_models
 from tests.conftest import RedisServer, free_port, work_burst
 from tests.integration.shard_worker import DELAY_KEY
 from tests.procs import stop_all
@@ -59,6 +59,7 @@ MAINTENANCE_S = int(os.environ.get("FAULTS_MAINTENANCE_S", "2"))
 def model_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fault-models")
     models.mlp(root / "mlp", sizes=SIZES)
+    sparse_models.conv_net(root / "conv", size=20, channels=(3, 2))
     return root
 
 
@@ -278,6 +279,22 @@ def result_bytes(rec: JobRecord, **storage_options) -> bytes:
 
 def committed(results_url: str, job_id: str) -> list[str]:
     return storage.list_names(storage.join(results_url, job_id, "committed"))
+
+
+def submit_sparse(conn, results_url: str, model_root: Path, *, retry: Retry | None = None) -> str:
+    """A sparse Jacobian job (``sparsity: "auto"``) of the conv net, as the API would queue it."""
+    job_id = uuid.uuid4().hex
+    buf = io.BytesIO()
+    np.savez(buf, image=np.random.default_rng(3).standard_normal((1, 20, 20, 3)).astype("float32"))
+    inputs_uri = storage.join(results_url, job_id, "inputs.npz")
+    storage.write_bytes(inputs_uri, buf.getvalue())
+    spec = QueuedJob(id=job_id, model=ModelRef(path=str(model_root / "conv")), inputs_uri=inputs_uri,
+                     results_url=results_url, of="out", wrt="image", chunk_rows=CHUNK_ROWS, shards=1,
+                     sparsity="auto").model_dump(mode="json")
+    JobStore(conn).create(JobRecord(id=job_id, status=JobStatus.queued, spec=spec, created_at=time.time()))
+    Queue(QUEUE, connection=conn, serializer=JSONSerializer).enqueue(
+        "worker.tasks.run_job", spec, job_id=job_id, retry=retry, job_timeout=600)
+    return job_id
 
 
 # -- 1. a worker SIGKILLed mid-job ------------------------------------------------------------------
@@ -537,3 +554,41 @@ def test_job_over_its_timeout_fails_clearly_and_records_expire_after_the_ttl(loc
     for job_id in (done, late):
         with pytest.raises(JobNotFound):
             store.get(job_id)
+
+
+def test_sparse_job_killed_mid_way_resumes_its_colour_blocks_on_the_other_worker(pool):
+    """SIGKILL the worker of a sparse job half-way through its compressed products (one storage block per colour
+    here); the other worker resumes from the committed colour blocks, says how many it reused in its log, computes
+    at most the blocks that were in flight again, and the COO result equals an uninterrupted run's."""
+    import re
+
+    pool.conn.set(DELAY_KEY, "0.05")
+    try:
+        job_id = submit_sparse(pool.conn, pool.results, pool.model_root, retry=Retry(max=2, interval=[1]))
+        pool.wait(lambda: len(committed(pool.results, job_id)) >= 10, timeout_s=180, what="10 committed colour blocks")
+        victim_name = Job.fetch(job_id, connection=pool.conn, serializer=JSONSerializer).worker_name
+        victim = next(p for p in pool.procs if victim_name.endswith(f".{p.pid}"))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        at_kill = set(committed(pool.results, job_id))
+        pool.conn.delete(DELAY_KEY)
+        rec = pool.wait_terminal(job_id, timeout_s=180)
+    finally:
+        pool.conn.delete(DELAY_KEY)
+    pool.start_registered_worker()   # two workers again for the tests after this one
+    assert rec.status == JobStatus.succeeded, (rec.error, pool.log_tail())
+    assert rec.plan["sparsity"]["verified"] is True and rec.progress["fraction"] == 1.0
+    lines = [m for path in pool.logs for m in re.findall(
+        rf"job {job_id}: sparse: (\d+) of (\d+) colour blocks reused", path.read_text(errors="replace"))]
+    assert len(lines) == 2, lines           # the first attempt (0 reused) and the resumed one
+    (first, blocks), (reused, _) = sorted((int(a), int(b)) for a, b in lines)
+    # every block committed at the kill is reused; only the others (those in flight included) are computed again
+    assert first == 0 and reused == len(at_kill) >= 10 and blocks > reused, (lines, len(at_kill))
+    print(f"\n[faults] sparse kill: {len(at_kill)} of {blocks} colour blocks committed at the kill, {reused} reused, "
+          f"{blocks - reused} computed by the second worker")
+    ref = pool.wait_terminal(submit_sparse(pool.conn, pool.results, pool.model_root), timeout_s=180)
+    assert ref.status == JobStatus.succeeded, ref.error
+    got, want = (zarr.open_group(r.result["uri"], mode="r") for r in (rec, ref))
+    for name in ("rows", "cols"):
+        np.testing.assert_array_equal(got[name][:], want[name][:])
+    np.testing.assert_allclose(got["values"][:], want["values"][:], rtol=1e-5, atol=1e-6)

@@ -95,7 +95,7 @@ def test_products_with_seeds_in_json_and_in_an_npz_over_several_wrt(client, redi
     ({"of": "y", "kind": "hessian_eig", "rank": 2}, "of"),          # a Hessian of a non-scalar output
     ({"of": "loss", "kind": "hessian_trace", "wrt": ["x", "x"]}, "wrt"),
     ({"of": "loss", "kind": "hessian_trace", "wrt": ["nope"]}, "wrt"),
-    ({"of": "y", "kind": "jacobian", "wrt": ["x", "variables/w"]}, "wrt"),  # lists: matrix-free kinds only
+    ({"of": "y", "kind": "batch_jacobian", "wrt": ["x", "variables/w"]}, "wrt"),  # a variable has no batch axis
     ({"of": "y", "kind": "svd", "rank": 2, "samples": 5}, "samples"),
 ])
 def test_refusals_at_post_name_the_field(client, redis_conn, options, field):

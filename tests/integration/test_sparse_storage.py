@@ -45,13 +45,21 @@ def read_coo(uri):
 
 def run(model, inputs, tmp_path, job_id, **options):
     from worker.engine import TFMemoryProbe
+    from worker.execution.local import local_context
     from worker.sparse_job import compute_sparse_to_storage
 
     options.setdefault("sparsity", "auto")
     options.setdefault("cache_dir", str(tmp_path / "cache"))
+    progress = options.pop("on_progress", None)
+    if progress is not None:
+        options["on_progress"] = lambda p: progress(p.rows_done, p.rows_total)
+    if "previous" in options:
+        options["previous_result"] = options.pop("previous")
+    shared = options.pop("shared_cache", None)
     wrt = "image" if "image" in inputs else "x"
-    return compute_sparse_to_storage(model, inputs, of=None, wrt=wrt, results_url=str(tmp_path / "results"),
-                                     job_id=job_id, probe=TFMemoryProbe(), **options)
+    ctx = local_context(model, inputs, wrt=wrt, results_url=str(tmp_path / "results"), job_id=job_id,
+                        probe=TFMemoryProbe(), **options)
+    return compute_sparse_to_storage(ctx, shared_cache=shared)
 
 
 def test_auto_sparse_result_is_the_jacobian(models, tmp_path):
@@ -126,8 +134,9 @@ def test_pattern_from_an_earlier_sparse_job_and_the_cache(models, tmp_path, monk
     other = {"image": rand((1, 20, 20, 3), seed=4)}            # new values, same shapes: the cached pattern
     again = run(models["conv"], other, tmp_path, "b")
     assert again["sparsity"]["nnz"] == first["sparsity"]["nnz"]
-    urls = {"a": first["uri"]}
-    third = run(models["conv"], other, tmp_path, "c", sparsity={"pattern_from": "a"}, previous=urls.get)
+    earlier = "a" * 32   # pattern_from names a job id as the service issues them
+    urls = {earlier: first["uri"]}
+    third = run(models["conv"], other, tmp_path, "c", sparsity={"pattern_from": earlier}, previous=urls.get)
     assert third["sparsity"]["source"] == "pattern_from" and third["sparsity"]["verified"]
     np.testing.assert_allclose(read_coo(third["uri"])[1].toarray(), dense(models["conv"], other, "out", "image"),
                                rtol=1e-5, atol=1e-6)

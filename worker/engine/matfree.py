@@ -141,7 +141,8 @@ class Operator:
     def jvp(self, seeds: Any, **options: Any) -> np.ndarray:
         """``J t`` for tangents ``(k, n_wrt)`` (or ``(k,) + wrt.shape``): ``(k,) + of.shape`` in ``dtype``."""
         flat = self._seeds("jvp", seeds)
-        return self.apply("jvp", flat, **options).astype(self.dtype).reshape((len(flat),) + self.of_shape)
+        out = self.apply("jvp", flat, **options).astype(self.dtype)
+        return out.reshape((len(flat),) + self.of_shape) if out.ndim > 1 else out   # 1-d: not kept (streamed)
 
     def vjp(self, seeds: Any, **options: Any) -> np.ndarray:
         """``u^T J`` for cotangents ``(k,) + of.shape`` (or ``(k, n_of)``): ``(k, n_wrt)`` in ``dtype``."""
@@ -166,10 +167,11 @@ class Operator:
 
     def apply(self, kind: str, seeds: np.ndarray, *, chunk_size: int | None = None,
               should_stop: Callable[[], bool] | None = None,
-              on_chunk: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+              on_chunk: Callable[[int, np.ndarray], None] | None = None, keep: bool = True) -> np.ndarray:
         """``kind`` products of flat ``seeds`` ``(k, size)``, ``chunk_size`` seeds per call (None: all at once;
         halved on out-of-memory): ``(k, out size)`` in ``compute_dtype``. ``on_chunk(start, rows)`` hears of each
-        chunk; ``should_stop()`` is asked before each and raises ``Stopped``."""
+        chunk; ``should_stop()`` is asked before each and raises ``Stopped``. ``keep=False`` (a caller that
+        streams the chunks away through ``on_chunk``) holds no products: the result is then empty."""
         seeds = np.ascontiguousarray(seeds, dtype=self.compute_dtype)
         total = len(seeds)
         if total == 0:
@@ -196,9 +198,10 @@ class Operator:
                                                "device memory", field="memory_budget_bytes") from err
                 step, self.oom_retries = n // 2, self.oom_retries + 1
                 continue
-            if start == 0:
+            if keep and start == 0:
                 out = np.empty((total,) + rows.shape[1:], rows.dtype)
-            out[start:start + n] = rows
+            if keep:
+                out[start:start + n] = rows
             self.counts[kind] += n
             if on_chunk is not None:
                 on_chunk(start, rows)
@@ -355,8 +358,10 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
         if progress is not None:
             progress(start + len(rows), k)
 
-    product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk)
-    out = product if kind == "jvp" else op.axis.unflatten(product)
-    return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays={"products": out},
+    streamed = on_chunk is not None   # the caller keeps the chunks: none are held here
+    product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk,
+                                keep=not streamed)
+    arrays = {} if streamed else {"products": product if kind == "jvp" else op.axis.unflatten(product)}
+    return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays=arrays,
                          products={n: op.counts[n] - before[n] for n in op.counts}, iterations=1,
                          attrs={"seeds": k})

@@ -39,6 +39,7 @@ class CompiledChunks:
         self._fns: dict[Any, Any] = {}
         self._sizes: dict[Any, set[int]] = {}
         self.regret_s: dict[str, float] = {}   # per plan: time lost in this process by not compiling its best
+        self.choices: dict[Any, dict[str, str]] = {}   # per matrix-free request: the route each product kind chose
         self._lock = threading.Lock()
 
     def sizes(self, key: Any) -> set[int]:

@@ -6,16 +6,19 @@ import logging
 import time
 from typing import Any
 
-from contracts.jobspec import PRODUCT_KINDS, JobStatus, shard_job_id
+from contracts.jobspec import JobStatus, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord
 from contracts.records import Progress
-from worker.matfree_job import finish_products
-from worker.pipeline import manifest_fields_for
+from worker.execution import RunContext, executor_for
 from worker.runs.attempt import Attempt, remove_partial
 from worker.sharding import ShardPlan
 from worker.storage import ResultWriter
 
 log = logging.getLogger(__name__)
+
+
+def _no_model() -> Any:
+    raise RuntimeError("the finalizer loads no model and no inputs")
 
 
 class Finalizer(Attempt):
@@ -53,8 +56,8 @@ class Finalizer(Attempt):
 
     def _finish(self, record: JobRecord, split: ShardPlan | None) -> dict[str, Any]:
         job, store = self.job, self.store
-        products = job.kind.value in PRODUCT_KINDS
-        writer = ResultWriter.open_existing(job.results_url, job.id, array="products" if products else "jacobian")
+        executor = executor_for(job)
+        writer = ResultWriter.open_existing(job.results_url, job.id, array=executor.array)
         missing = writer.missing_blocks()
         if missing:
             writer.abort()
@@ -63,15 +66,9 @@ class Finalizer(Attempt):
         # The job's plan is the planner's (strategy, mode, shards); each shard's own run plan (chunk rows,
         # memory) is listed beside it, in shard order: no shard's plan stands for the others.
         plan = {**record.plan, "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
-        model = {"path": job.model.path, "signature": job.model.signature}
-        if products:
-            manifest = finish_products(writer, plan=plan, created_at=record.created_at,
-                                       manifest_fields={"model": model})
-            plan = manifest["plan"]   # with the products summed over the shards
-        else:
-            fields = manifest_fields_for(writer.attrs, plan=plan, created_at=record.created_at, model=model)
-            writer.write_manifest(fields)
-            manifest = {**writer.manifest_base(), **fields}
+        ctx = RunContext(job=job, load_inputs=_no_model, load_model=_no_model, created_at=record.created_at)
+        manifest = executor.finish(ctx, writer, plan)
+        plan = manifest.get("plan") or plan   # the products summed over the shards, for a product job
         result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
         now = time.time()
         rows_total = split.rows_total if split and split.rows_total else writer.layout.rows_total

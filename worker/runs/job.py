@@ -4,27 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from contracts.jobspec import PRODUCT_KINDS, JobStatus
+from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, merge_shard_progress
-from contracts.records import Progress
+from worker.execution import executor_for
 from worker.pipeline import at_least
 from worker.runs.computing import ComputingAttempt
-from worker.sharding import (
-    ShardPlan,
-    choose_shards,
-    enqueue_shards,
-    estimated_seconds,
-    layout_for,
-    live_workers,
-    split_rows,
-)
-from worker.storage import ResultWriter
-
-if TYPE_CHECKING:
-    from worker.engine import Plan
-    from worker.engine.problem import Problem
+from worker.sharding import ShardPlan, enqueue_shards, live_workers
 
 log = logging.getLogger(__name__)
 
@@ -64,122 +51,45 @@ class JobRun(ComputingAttempt):
             return record
 
     def _compute(self, record: JobRecord) -> dict[str, Any]:
+        """Split the job (its executor decides, ``Executor.split``) or compute it whole (``Executor.run``)."""
         job, store = self.job, self.store
-        if job.kind.matrix_free:
-            if job.kind.value in PRODUCT_KINDS and (job.shards or 1) > 1 and job.rows is None:
-                earlier = self._earlier_split()
-                if earlier is not None:
-                    return earlier
-                split = self._split_products()
-                if split is not None:
-                    return split
-            return self._succeed(self.compute_matrix_free(record))
-        sparsity = None   # plan.sparsity of a sparse job computed densely
-        if getattr(job, "sparsity", None) is not None:
-            from worker.sparse_job import DenseInstead
-
-            outcome = self.compute_sparse(record)
-            if not isinstance(outcome, DenseInstead):
-                return self._succeed(outcome)
-            sparsity = outcome.sparsity
-            log.info("job %s: computed densely: %s", job.id, sparsity.get("fallback"))
         earlier = self._earlier_split()
         if earlier is not None:
             return earlier
-        problem, plan = self.load_problem()
-        noted = {} if sparsity is None else {"sparsity": sparsity}
         reported = int((record.progress or {}).get("rows_done") or 0)  # by an earlier attempt
+        ctx = self.run_context(created_at=record.created_at,
+                               on_plan=lambda p: store.set_fields(job.id, plan={"shards": 1, **p}),
+                               on_progress=lambda p: store.set_fields(job.id, progress=at_least(p, reported)),
+                               should_stop=lambda: store.is_cancel_requested(job.id))
+        executor = executor_for(job)
+        split = executor.split(ctx, self)
+        if split is not None:
+            return self._fan_out(split)
+        return self._succeed(executor.run(ctx))
 
-        def compute(rows: tuple[int, int] | None, refine: str = "auto") -> dict[str, Any]:
-            return self.compute(
-                problem, plan, rows=rows, refine=refine, created_at=record.created_at, on_learned=self.plans.put,
-                on_plan=lambda p: store.set_fields(job.id, plan={**p, "shards": 1, **noted}),
-                on_progress=lambda p: store.set_fields(job.id, progress=at_least(p, reported)),
-                should_stop=lambda: store.is_cancel_requested(job.id),
-                manifest_fields={"model": {"path": job.model.path, "signature": job.model.signature}})
-
-        shards = 1 if sparsity is not None else self._choose_shards(problem, plan)
-        blocks = iter(self._layout(problem).blocks())
-        while shards is None:  # automatic, and no rows/s measured for this request yet: measure on its blocks
-            block = next(blocks, None)
-            if block is None:
-                shards = 1
-                break
-            compute((block.row_start, block.row_stop), refine="never")
-            shards = self._choose_shards(problem, plan)
-        if shards > 1:
-            return self._split(problem, shards, plan)
-        return self._succeed(compute(job.rows), noted)
-
-    def _succeed(self, manifest: dict[str, Any], noted: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _succeed(self, manifest: dict[str, Any]) -> dict[str, Any]:
         job, store = self.job, self.store
         result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
         if manifest.get("format") == "coo":
             result["format"] = "coo"
             result["dense_shape"] = manifest["dense_shape"]
-        final_plan = {**(manifest.get("plan") or {}), "shards": 1, **(noted or {})}
+        final_plan = {**(manifest.get("plan") or {}), "shards": 1}
         if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, plan=final_plan):
             return self._ended_meanwhile()
         log.info("job %s succeeded: %s", job.id, result["uri"])
         return {"id": job.id, "status": JobStatus.succeeded.value, "result": result}
 
-    def _layout(self, problem: Problem) -> Any:
-        return layout_for(problem, self.settings.block_bytes)
+    # -- splitting the job into shards (the executor's ShardHost) -----------------------------------
 
-    # -- splitting the job into shards ------------------------------------------------------------
+    @property
+    def min_shard_seconds(self) -> float:
+        return float(self.settings.shard_min_seconds)
 
-    def _choose_shards(self, problem: Problem, plan: Plan) -> int | None:
-        """How many shards (``choose_shards``); all shards then run ``plan``'s strategy.
+    def live_workers(self) -> int:
+        return live_workers(self.store.connection, self._queue(), settings=self.settings)
 
-        Automatic sharding sizes the job by the plan's measured rows/s: None when there is none yet
-        (the caller then computes the first storage block and asks again).
-        """
-        job = self.job
-        blocks = len(self._layout(problem).blocks())
-        if job.shards == 1 or blocks < 2 or job.rows is not None:
-            return 1
-        live = None
-        if job.shards is None:
-            live = live_workers(self.store.connection, self._queue(), settings=self.settings)
-            if live < 2:
-                return 1
-        estimate_s = estimated_seconds(plan, problem.rows_total)
-        if job.shards is None and estimate_s is None:
-            log.info("job %s: no measured rows/s for this request yet; measuring on the first block", job.id)
-            return None
-        n = choose_shards(job.shards, blocks=blocks, live_workers=live, estimated_seconds=estimate_s or 0.0,
-                          min_shard_seconds=self.settings.shard_min_seconds)
-        log.info("job %s: %d shard(s): %d storage blocks, %s live workers, about %s s of compute",
-                 job.id, n, blocks, "-" if live is None else live,
-                 "?" if estimate_s is None else f"{estimate_s:.1f}",
-                 extra={"event": "shards_chosen", "shards": n, "blocks": blocks, "live_workers": live,
-                        "estimated_seconds": None if estimate_s is None else round(estimate_s, 3),
-                        "strategy": job.strategy or plan.strategy})
-        return n
-
-    def _split(self, problem: Problem, shards: int, plan: Plan) -> dict[str, Any]:
-        """Create the result array once, store the shard plan, enqueue the shards and the finalizer.
-
-        Every shard runs the planner's plan with its strategy pinned, so all rows are computed alike."""
-        job = self.job
-        layout = self._layout(problem)
-        split = ShardPlan(shards=shards, ranges=[list(r) for r in split_rows(layout.blocks(), shards)],
-                          rows_total=layout.rows_total, strategy=job.strategy or plan.strategy,
-                          block_bytes=layout.block_bytes, mode=problem.mode, engine_plan=plan.to_json())
-        # Before any shard may write: the array (resuming the blocks an earlier attempt committed).
-        writer = ResultWriter.for_problem(job.results_url, job.id, problem, block_bytes=layout.block_bytes)
-        committed = {b.index for b in writer.blocks} - {b.index for b in writer.pending_blocks()}
-        writer.close()
-        stored = ShardPlan.from_json(self.store.set_shard_plan(job.id, split.to_json()))
-        if stored.ranges == split.ranges:
-            # Rows this planner computed before splitting (measuring the job's rows/s) count for their shard.
-            for i, (lo, hi) in enumerate(split.ranges):
-                rows = sum(b.row_stop - b.row_start for b in writer.blocks
-                           if b.index in committed and lo <= b.row_start < hi)
-                if rows:
-                    self.store.update_shard_progress(job.id, i, Progress.of(rows, hi - lo, 0.0).model_dump(),
-                                                     computed_rows=rows)
-        return self._fan_out(stored)
+    def store_split(self, split: ShardPlan) -> ShardPlan:
+        return ShardPlan.from_json(self.store.set_shard_plan(self.job.id, split.to_json()))
 
     def _earlier_split(self) -> dict[str, Any] | None:
         """The shards again when an earlier attempt of this job split it (its shard plan is stored), else None."""
@@ -187,25 +97,6 @@ class JobRun(ComputingAttempt):
         if stored is not None and int(stored.get("shards") or 1) > 1:
             return self._fan_out(ShardPlan.from_json(stored))
         return None
-
-    def _split_products(self) -> dict[str, Any] | None:
-        """A product job with ``shards`` > 1: the ``products`` array created, its seeds split on storage blocks
-        into shards (``worker.matfree_job.compute_products_shard``), the finalizer after them; None when the
-        seeds fill a single block (computed in one piece)."""
-        from worker.matfree_job import products_writer
-
-        job = self.job
-        op, seeds = self.matrix_free_operator()
-        k = len(op._seeds(job.kind.value, seeds)) if seeds is not None else 0  # checked: InvalidRequest names seeds
-        writer = products_writer(op, job.kind.value, k, job.results_url, job.id, block_bytes=self.settings.block_bytes)
-        writer.close()
-        shards = choose_shards(job.shards, blocks=len(writer.blocks), live_workers=None, estimated_seconds=0.0,
-                               min_shard_seconds=self.settings.shard_min_seconds)
-        if shards < 2:
-            return None
-        split = ShardPlan(shards=shards, ranges=[list(r) for r in split_rows(writer.blocks, shards)], rows_total=k,
-                          strategy="matrix-free", block_bytes=writer.layout.block_bytes, mode=job.kind.value)
-        return self._fan_out(ShardPlan.from_json(self.store.set_shard_plan(job.id, split.to_json())))
 
     def _queue(self) -> Any:
         from rq import Queue

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from contracts.jobspec import PRODUCT_KINDS, JobStatus
+from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound
 from contracts.records import Progress
+from worker.execution import executor_for
 from worker.pipeline import at_least
 from worker.runs.computing import ComputingAttempt
 from worker.sharding import ShardPlan
@@ -53,9 +54,6 @@ class ShardRun(ComputingAttempt):
         job, store = self.job, self.store
         index = int(job.shard or 0)
         split = ShardPlan.from_json(store.shard_plan(job.id) or {"shards": job.shards, "ranges": [], "rows_total": 0})
-        if job.kind.value in PRODUCT_KINDS:
-            return self._compute_products(index, split)
-        problem, plan = self.load_problem(plan=split.plan())
         last = {"rows_done": None}
         reported = int(store.shard_progress(job.id).get(index, {}).get("rows_done") or 0)  # by an earlier attempt
 
@@ -66,33 +64,9 @@ class ShardRun(ComputingAttempt):
             store.update_shard_progress(job.id, index, at_least(progress, reported).model_dump(),
                                         computed_rows=computed)
 
-        self.compute(problem, plan, rows=job.rows, create=False, block_bytes=split.block_bytes, refine="never",
-                     on_plan=lambda p: store.set_shard_run_plan(job.id, index, p),
-                     on_progress=on_progress, should_stop=lambda: store.should_stop(job.id))
-
-    def _compute_products(self, index: int, split: ShardPlan) -> None:
-        """A product job's shard: its seeds' products into the array the planner created."""
-        import time
-
-        from worker.matfree_job import compute_products_shard
-
-        job, store = self.job, self.store
-        op, seeds = self.matrix_free_operator()
-        started, last = time.monotonic(), {"done": None}
-
-        def on_progress(done: int, total: int | None) -> None:
-            computed = 0 if last["done"] is None else done - last["done"]
-            last["done"] = done
-            rate = done / max(time.monotonic() - started, 1e-9)
-            store.update_shard_progress(job.id, index, Progress.of(done, max(total or done, done), rate).model_dump(),
-                                        computed_rows=computed)
-
-        start, stop = job.rows or (0, 0)
-        spent = compute_products_shard(op, job.kind.value, seeds, results_url=job.results_url, job_id=job.id,
-                                       rows=(start, stop), block_bytes=split.block_bytes, chunk_size=job.chunk_rows,
-                                       on_progress=on_progress, should_stop=lambda: store.should_stop(job.id))
-        store.set_shard_run_plan(job.id, index, {"strategy": "matrix-free", "labels": dict(op.labels),
-                                                 "products": spent, "oom_retries": op.oom_retries})
+        ctx = self.run_context(on_plan=lambda p: store.set_shard_run_plan(job.id, index, p),
+                               on_progress=on_progress, should_stop=lambda: store.should_stop(job.id))
+        executor_for(job).run_shard(ctx, split)
 
     # -- outcomes ---------------------------------------------------------------------------------
 

@@ -1,0 +1,115 @@
+"""The kinds, declared once: family, request fields, result arrays, and what each can do (shards, resume, sparsity).
+
+Every other place asks this registry (``kind_spec(name)``) instead of comparing kind names: the API's
+rules (``contracts.jobspec``), the worker's executors (``worker.execution``), the previews and the CLI.
+A new kind is one ``KindSpec`` here and one executor (docs/ARCHITECTURE.md, "Adding a kind").
+No TensorFlow here: the API imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Family(str, Enum):
+    """How a kind is computed; each family has one executor in ``worker.execution``."""
+
+    dense = "dense"          # the matrix, rows streamed into the ``jacobian`` array (chunk planner, strategies)
+    products = "products"    # J v, v^T J, H v of given seeds, streamed into ``products``
+    spectral = "spectral"    # a few values (and vectors) of J or H, by Krylov methods or sampling
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """One kind: how it is asked for and what it stores.
+
+    ``arrays``: the result group's arrays, the main one first. ``seeds``: the trailing shape of the seeds
+    (``"wrt"``: tangents, ``"of"``: cotangents), None when the kind takes none. ``scalar_of``: ``of`` must
+    be a scalar (or ``reduce: "sum"``), as for a Hessian. ``fields``: the kind's own request fields, and
+    ``required`` those of them that must be given. ``several_wrt``: ``wrt`` may be a list or
+    ``"variables/*"``; ``batch_axis``: the result has a per-example first axis (variables cannot be wrt).
+    ``sparsity``: the ``sparsity`` option applies. ``shards``/``resume``: the unit a job splits into and
+    resumes from (``"blocks"``: storage blocks of rows or seeds; ``"colours"``: blocks of colours;
+    None: no shards / starts over). ``preview``: how ``preview.png`` draws it (``heatmap``, ``products``,
+    ``spectrum``), with ``symbol`` and ``product_axes`` for the products.
+    """
+
+    name: str
+    family: Family
+    arrays: tuple[str, ...]
+    summary: str
+    seeds: str | None = None
+    scalar_of: bool = False
+    fields: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    several_wrt: bool = True
+    batch_axis: bool = False
+    sparsity: bool = False
+    shards: str | None = "blocks"
+    resume: str | None = "blocks"
+    preview: str = "heatmap"
+    symbol: str = ""          # the product's symbol in previews ("J v"), for the product kinds
+    product_axes: str = ""    # the products' trailing axes: "of" or "wrt", for the product kinds
+
+    @property
+    def main_array(self) -> str:
+        return self.arrays[0]
+
+    @property
+    def matrix_free(self) -> bool:
+        """Computed from products, never as the matrix (products and spectra)."""
+        return self.family is not Family.dense
+
+
+_SPECS = (
+    KindSpec("jacobian", Family.dense, ("jacobian",), "d of / d wrt, shape of.shape + wrt.shape",
+             sparsity=True),
+    KindSpec("batch_jacobian", Family.dense, ("jacobian",), "per example, shape (B,) + of.shape[1:] + wrt.shape[1:]",
+             batch_axis=True),
+    KindSpec("hessian", Family.dense, ("jacobian",), "d2 of / d wrt2 of a scalar of, shape wrt.shape + wrt.shape",
+             scalar_of=True),
+    KindSpec("jvp", Family.products, ("products",), "J v for each seed v: (k,) + of.shape", seeds="wrt",
+             preview="products", symbol="J v", product_axes="of"),
+    KindSpec("vjp", Family.products, ("products",), "v^T J for each seed v: (k,) + wrt.shape", seeds="of",
+             preview="products", symbol="vᵀ J", product_axes="wrt"),
+    KindSpec("hvp", Family.products, ("products",), "H v for each seed v: (k,) + wrt.shape", seeds="wrt",
+             scalar_of=True, preview="products", symbol="H v", product_axes="wrt"),
+    KindSpec("svd", Family.spectral, ("S", "U", "V"), "the rank largest singular values of J and their vectors",
+             fields=("rank", "tol"), required=("rank",), shards=None, resume=None, preview="spectrum"),
+    KindSpec("hessian_eig", Family.spectral, ("eigenvalues", "eigenvectors"),
+             "the rank eigenpairs of H of largest magnitude", scalar_of=True, fields=("rank", "tol"),
+             required=("rank",), shards=None, resume=None, preview="spectrum"),
+    KindSpec("hessian_trace", Family.spectral, ("trace", "stderr"), "tr(H) by Hutch++/Hutchinson with its stderr",
+             scalar_of=True, fields=("samples",), shards=None, resume=None, preview="spectrum"),
+)
+
+KINDS: dict[str, KindSpec] = {s.name: s for s in _SPECS}
+KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # rank, samples, tol
+
+
+def kind_spec(name: str) -> KindSpec:
+    """The spec of kind ``name`` (a ``Kind`` enum member or its value); ``KeyError`` for an unknown one."""
+    return KINDS[getattr(name, "value", name)]
+
+
+def spec_or_jacobian(name: object) -> KindSpec:
+    """The spec of ``name`` as a result group's ``kind`` attribute says it; ``jacobian``'s for none or unknown."""
+    return KINDS.get(str(getattr(name, "value", name) or ""), KINDS["jacobian"])
+
+
+def kinds_where(**wanted: object) -> tuple[str, ...]:
+    """The kind names whose specs have every attribute ``wanted`` (``kinds_where(family=Family.products)``)."""
+    return tuple(s.name for s in _SPECS if all(getattr(s, k) == v for k, v in wanted.items()))
+
+
+def kinds_taking(field: str) -> tuple[str, ...]:
+    """The kinds that take the request field ``field`` (``rank``, ``tol``, ``samples``)."""
+    return tuple(s.name for s in _SPECS if field in s.fields)
+
+
+def several_wrt(wrt: object) -> bool:
+    """``wrt`` names more than one source: a list of two or more, or ``"variables/*"`` (alone or in a list)."""
+    if isinstance(wrt, (list, tuple)):
+        return len(wrt) > 1 or any(w == "variables/*" for w in wrt)
+    return wrt == "variables/*"
