@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from app.cli_matfree import add_arguments as add_matfree_arguments
-from app.cli_sparse import add_arguments as add_sparse_arguments
 from contracts.jobspec import MATRIX_FREE_KINDS as MATFREE_KINDS
+from jacobian.cli_matfree import add_arguments as add_matfree_arguments
+from jacobian.cli_sparse import add_arguments as add_sparse_arguments
 
 _STARTED = time.perf_counter()
 KINDS = ("jacobian", "batch_jacobian", "hessian")
@@ -67,8 +67,8 @@ def missing_extras(extras: tuple[str, ...]) -> str | None:
 
 def cmd_compute(args: argparse.Namespace) -> int:
     """The engine in-process, no Redis: Zarr result and manifest under ``{out}/{job_id}/``."""
-    from app.cli_matfree import cmd_compute_matfree
     from contracts.settings import get_settings
+    from jacobian.cli_matfree import cmd_compute_matfree
     from worker.main import configure_devices
 
     configure_devices(get_settings())
@@ -85,13 +85,13 @@ def cmd_compute(args: argparse.Namespace) -> int:
     args.wrt = args.wrt[0] if args.wrt else None
     job_id = args.job_id or uuid.uuid4().hex
     if args.sparsity is not None:
-        from app.cli_sparse import cmd_compute_sparse
+        from jacobian.cli_sparse import cmd_compute_sparse
 
         code = cmd_compute_sparse(args, job_id)
         if code is not None:
             return code
-    from app.progress import RowProgress
     from contracts import storage
+    from jacobian.progress import RowProgress
     from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
     from worker.engine.planning import prepare
     from worker.inputs import InvalidInputs, effective_budget, load_inputs
@@ -276,7 +276,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         port = _free_port()
     api_url = f"http://{args.host}:{port}"
     env["JACOBIAN_API_URL"] = api_url
-    cli = [sys.executable, "-m", "app.cli"]
+    cli = [sys.executable, "-m", "jacobian.cli"]
     try:
         procs.append(("api", subprocess.Popen(cli + ["serve", "--host", args.host, "--port", str(port)], env=env)))
         procs.append(("worker", subprocess.Popen(cli + ["worker"], env=env)))
@@ -325,8 +325,8 @@ def _add_compute(sub: Any) -> None:
 
 
 def _add_client_commands(sub: Any) -> None:
-    """``submit``, ``status``, ``fetch``, ``list`` and ``cancel``: HTTP clients of the API (``app.cli_client``)."""
-    from app.cli_client import register
+    """``submit``, ``status``, ``fetch``, ``list`` and ``cancel``: HTTP clients of the API (``jacobian.cli_client``)."""
+    from jacobian.cli_client import register
 
     register(sub)
 
