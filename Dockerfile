@@ -32,6 +32,7 @@ ENV UV_PROJECT_ENVIRONMENT=/opt/venv \
     UV_NO_CACHE=1
 COPY pyproject.toml uv.lock README.md MANIFEST.in ./
 COPY contracts ./contracts
+COPY jacobian ./jacobian
 COPY app ./app
 COPY worker ./worker
 

@@ -25,9 +25,9 @@ def free_port() -> int:
 
 
 def jacobian_exe() -> list[str]:
-    """The ``jacobian`` console script beside this Python, else ``python -m app.cli``."""
+    """The ``jacobian`` console script beside this Python, else ``python -m jacobian.cli``."""
     exe = shutil.which("jacobian", path=str(Path(sys.executable).parent))
-    return [exe] if exe else [sys.executable, "-m", "app.cli"]
+    return [exe] if exe else [sys.executable, "-m", "jacobian.cli"]
 
 
 def base_env(**extra: str) -> dict[str, str]:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def jacobian_cli(*args: str) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("jacobian", path=str(Path(sys.executable).parent))
-    cmd = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "jacobian.cli"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     return subprocess.run(cmd + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 

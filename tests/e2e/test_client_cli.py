@@ -1,4 +1,4 @@
-"""The client commands of ``jacobian`` and the Python client (``app.client``) against the running stack.
+"""The client commands of ``jacobian`` and the Python client (``jacobian.client``) against the running stack.
 
 One worker for the module and three APIs on the session's redis-server: ``local`` (results on local
 disk), ``s3`` (results in a moto bucket; same queue, so the same worker serves it) and ``idle`` (its
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.client import JacobianClient, JacobianError, JobCanceled, JobFailed
+from jacobian.client import JacobianClient, JacobianError, JobCanceled, JobFailed
 from tests import models
 from tests.e2e.stack import Api, Stack, as_rows, aws_env, print_logs, result_rows
 

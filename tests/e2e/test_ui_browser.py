@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.client import JacobianClient
+from jacobian.client import JacobianClient
 from tests import models
 from tests.e2e.stack import Api, Stack, print_logs
 

@@ -113,7 +113,7 @@ def test_a_bad_rank_found_by_the_worker_fails_the_job_naming_the_field(client, r
 
 
 def test_the_python_client_sends_seeds_and_several_wrt(client, redis_conn, model_root):
-    from app.client import JacobianClient
+    from jacobian.client import JacobianClient
 
     model = load_model(str(model_root / "f64"))
     seeds = np.random.default_rng(3).normal(size=(2, 3, 4))

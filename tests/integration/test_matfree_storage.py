@@ -87,7 +87,7 @@ def test_jacobian_compute_runs_a_matrix_free_kind(f64, tmp_path):
     np.savez(tmp_path / "in.npz", **inputs)
     seeds = np.random.default_rng(5).normal(size=(2, 3, 5))
     np.save(tmp_path / "seeds.npy", seeds)
-    cmd = [sys.executable, "-m", "app.cli", "compute", "--model", str(path), "--input", str(tmp_path / "in.npz"),
+    cmd = [sys.executable, "-m", "jacobian.cli", "compute", "--model", str(path), "--input", str(tmp_path / "in.npz"),
            "--of", "y", "--wrt", "x", "--kind", "jvp", "--seeds", str(tmp_path / "seeds.npy"), "--out",
            str(tmp_path / "out"), "--job-id", "cli-jvp"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -199,7 +199,7 @@ def test_prometheus_scrapes_api_and_worker_through_a_job(stack):
 
     # A worker takes it; Prometheus reads the finished counter from the worker and an empty queue.
     exe = shutil.which("jacobian", path=str(Path(sys.executable).parent))
-    cmd = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "jacobian.cli"]
     with worker_log.open("wb") as fh:
         worker = subprocess.Popen(cmd + ["worker"], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
     try:

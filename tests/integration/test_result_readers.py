@@ -144,7 +144,7 @@ def test_old_results_still_read(tmp_path):
     the API's and client's openers."""
     import zarr
 
-    from app.client import open_zarr
+    from jacobian.client import open_zarr
 
     uri = str(tmp_path / "j" / "jacobian.zarr")
     zarr.create_array(store=uri, shape=(2, 3), dtype="float32")[...] = np.ones((2, 3), np.float32)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from app.client import JacobianClient
 from app.main import create_app
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobStore
 from contracts.settings import get_settings
+from jacobian.client import JacobianClient
 from tests.sparse_group import random_matrix, write_sparse_group
 
 pytestmark = pytest.mark.integration

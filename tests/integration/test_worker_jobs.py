@@ -276,7 +276,7 @@ def test_worker_heartbeats_while_a_job_runs(env, redis_conn, model_root, x, monk
 
 def test_worker_console_script_burst(env, redis_server, redis_conn, model_root, x):
     exe = shutil.which("jacobian", path=str(Path(sys.executable).parent))
-    cmd = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "jacobian.cli"]
     job_id = submit(redis_conn, env, model_root, x, kind="batch_jacobian")
     out = subprocess.run(cmd + ["worker", "--burst"], env=os.environ.copy(), cwd=REPO, capture_output=True,
                          text=True, timeout=300)

@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
-from app import cli, cli_client
-from app.client import JacobianClient
+from jacobian import cli, cli_client
+from jacobian.client import JacobianClient
 from tests.unit.fake_tty import FakeTTY, plain_lines
 
 JOB = "c" * 32

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from app import cli, cli_client
-from app.client import JacobianClient
+from jacobian import cli, cli_client
+from jacobian.client import JacobianClient
 
 JOB = "d" * 32
 

@@ -1,4 +1,4 @@
-"""``app.client`` against a fake transport: bounded retries, the idempotency key, error answers."""
+"""``jacobian.client`` against a fake transport: bounded retries, the idempotency key, error answers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.client import JacobianClient, JacobianError, JobFailed
+from jacobian.client import JacobianClient, JacobianError, JobFailed
 
 
 def job_record(job_id: str, status: str, **fields) -> dict:

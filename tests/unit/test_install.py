@@ -22,6 +22,9 @@ SERVER_DISTS = {"tensorflow", "tensorflow-cpu", "keras", "jax", "fastapi", "star
 # ... and the modules the client and the CLI's client commands must not import, even lazily.
 SERVER_MODULES = {"tensorflow", "keras", "jax", "fastapi", "starlette", "uvicorn", "redis", "rq", "prometheus_client",
                   "s3fs", "boto3", "botocore", "aiobotocore", "matplotlib", "pynvml"}
+# ... nor the service's own server-side packages: the HTTP API and the worker (whose code needs the extras).
+SERVICE_PACKAGES = {"app", "worker"}
+CLIENT_BLOCKED = ",".join(sorted(SERVER_MODULES | SERVICE_PACKAGES))
 
 
 def _norm(name: str) -> str:
@@ -123,14 +126,14 @@ def test_the_lock_matches_pyproject():
 
 def test_cli_extras_match_pyproject():
     """The modules `jacobian serve/worker/compute/up` check for come with the extra they name."""
-    from app.cli import EXTRAS
+    from jacobian.cli import EXTRAS
 
     lock = _lock()
     provides = {"prometheus_client": "prometheus-client"}
     for extra, modules in EXTRAS.items():
         closure = _locked_closure(lock, (extra,))
         assert {provides.get(m, m) for m in modules} <= closure, \
-            f"app.cli.EXTRAS[{extra!r}] names a module that extra does not install"
+            f"jacobian.cli.EXTRAS[{extra!r}] names a module that extra does not install"
 
 
 # --- imports --------------------------------------------------------------------------------------
@@ -155,9 +158,12 @@ CLIENT_ONLY = textwrap.dedent("""
     import numpy as np
     import zarr
 
-    import app.cli_client
-    import app.client
-    from app.cli import main
+    import jacobian
+    import jacobian.cli_client
+    import jacobian.client
+    from jacobian.cli import main
+
+    assert jacobian.Client is jacobian.client.JacobianClient  # `from jacobian import Client`, loaded on first use
 
     def run(*argv):
         out, err = io.StringIO(), io.StringIO()
@@ -216,8 +222,9 @@ CLIENT_ONLY = textwrap.dedent("""
         code, out, err = run(*argv, *api_url)
         assert code == 0 and expected in out, (argv, code, out, err)
     assert np.load(os.path.join(tmp, "rows.npy")).tolist() == rows[1:3].tolist()
-    with app.client.JacobianClient("http://api") as client:
+    with jacobian.Client("http://api") as client:
         assert client.result(job)[:].tolist() == rows.tolist()  # the lazy zarr array, from local storage
+    assert jacobian.open_zarr(os.path.join(tmp, "r.zarr"))[1:3].tolist() == rows[1:3].tolist()  # by URI, no API
 
     client_attempts = list(attempts)
     # The commands that need an extra say which one (they look for its modules, import none of them).
@@ -236,20 +243,68 @@ def test_client_and_cli_client_commands_run_without_tensorflow_or_the_server_sta
     boto or matplotlib fails: the client, ``jacobian --help`` and every client command still work, and none of
     them even tries such an import (one added at module level, or inside a client command, fails here)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JACOBIAN_API_URL": "http://api"}
-    done = subprocess.run([sys.executable, "-c", CLIENT_ONLY, ",".join(sorted(SERVER_MODULES)), str(tmp_path)],
+    done = subprocess.run([sys.executable, "-c", CLIENT_ONLY, CLIENT_BLOCKED, str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     report = done.stdout.strip().splitlines()[-1]
     assert report == '{"attempts": [], "loaded": []}', f"client-only code tried to import {report}"
 
 
-@pytest.mark.parametrize("module", ["tensorflow", "fastapi", "redis"])
+@pytest.mark.parametrize("module", ["tensorflow", "fastapi", "redis", "worker", "app"])
 def test_the_import_guard_catches_a_server_import(tmp_path, module):
     """The guard above is live: a server module imported by the client's code path is reported."""
-    code = CLIENT_ONLY.replace("import app.cli_client\n", f"import app.cli_client\ntry:\n    import {module}\n"
-                               "except ImportError:\n    pass\n", 1)
+    code = CLIENT_ONLY.replace("import jacobian.cli_client\n", f"import jacobian.cli_client\ntry:\n"
+                               f"    import {module}\nexcept ImportError:\n    pass\n", 1)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code, ",".join(sorted(SERVER_MODULES)), str(tmp_path)],
+    done = subprocess.run([sys.executable, "-c", code, CLIENT_BLOCKED, str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f'"attempts": ["{module}"]' in done.stdout
+
+
+# --- the `jacobian` command and `import jacobian` as a user runs them -------------------------------
+
+
+def _imported(argv: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``argv`` with ``PYTHONPROFILEIMPORTTIME``: its result and the top-level names of every module it
+    imported (what ``-X importtime`` prints, so a console script's imports are seen too)."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    names = re.findall(r"^import time:\s+\d+ \|\s+\d+ \| *([\w.]+)$", done.stderr, re.MULTILINE)
+    assert names, f"{argv}: no import-time lines on stderr: {done.stderr[-2000:]}"
+    return done, {name.partition(".")[0] for name in names}
+
+
+def test_import_jacobian_loads_nothing_but_itself():
+    """``import jacobian`` is cheap: the client (httpx, numpy) is imported when ``jacobian.Client`` is first used."""
+    done, top = _imported([sys.executable, "-c", "import jacobian; assert jacobian.__all__"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "jacobian" in top
+    assert not top & (SERVER_MODULES | SERVICE_PACKAGES | {"httpx", "numpy", "zarr", "pydantic"}), sorted(top)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["status", "--help"], ["submit", "--help"], ["compute", "--help"]])
+def test_the_jacobian_command_help_imports_no_server_or_worker_code(args):
+    """The console script itself (``jacobian``, else ``python -m jacobian.cli``): ``--help`` and a client
+    command's help import neither TensorFlow, FastAPI, the server stack, ``app`` nor ``worker``."""
+    from tests.procs import jacobian_exe
+
+    done, top = _imported([*jacobian_exe(), *args])
+    assert done.returncode == 0 and done.stdout.startswith("usage: jacobian"), done.stdout + done.stderr[-2000:]
+    assert "jacobian" in top
+    assert not top & (SERVER_MODULES | SERVICE_PACKAGES), f"jacobian {' '.join(args)} imported " \
+        f"{sorted(top & (SERVER_MODULES | SERVICE_PACKAGES))}"
+
+
+def test_jacobian_names_resolve_lazily_and_say_what_exists():
+    import jacobian
+    import jacobian.client
+    import jacobian.results
+
+    for name in jacobian.__all__:
+        module = jacobian.results if name.startswith(("open_", "coo_", "s3_")) else jacobian.client
+        expected = jacobian.client.JacobianClient if name == "Client" else getattr(module, name)
+        assert getattr(jacobian, name) is expected, name
+    assert set(jacobian.__all__) <= set(dir(jacobian))
+    with pytest.raises(AttributeError, match="no attribute 'JacobianClinet'; the public names are Client, "):
+        jacobian.JacobianClinet  # noqa: B018

@@ -226,6 +226,18 @@ def test_dockerfile_copies_only_files_that_exist_and_reach_the_build_context():
         assert source not in ignored, f"Dockerfile: COPY {source}, but .dockerignore leaves it out of the context"
 
 
+def test_dockerfile_copies_every_package_of_the_project():
+    """Each top-level package that pyproject.toml installs (``jacobian`` holds the console script) reaches the
+    images: a package left out of the build stage's COPY would install a ``jacobian`` command that cannot start."""
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(pattern.rstrip("*") for pattern in include)
+    assert "jacobian" in packages and "app" in packages, f"pyproject.toml packages.find include: {include}"
+    copied = {line.split()[1].rstrip("/") for line in _chain(_stages(), "build")
+              if line.split()[0].upper() == "COPY" and "--from" not in line}
+    missing = [name for name in packages if name not in copied]
+    assert not missing, f"Dockerfile build stage: add COPY {' '.join(missing)} ./<name> (pyproject.toml installs them)"
+
+
 def test_dockerignore_keeps_local_state_out():
     entries = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}

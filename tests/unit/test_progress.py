@@ -1,10 +1,10 @@
-"""CLI progress (``app.progress``, drawn by tqdm): a live bar on a terminal, plain lines in logs and pipes."""
+"""CLI progress (``jacobian.progress``, drawn by tqdm): a live bar on a terminal, plain lines in logs and pipes."""
 
 from __future__ import annotations
 
 import io
 
-from app.progress import RowProgress, is_terminal
+from jacobian.progress import RowProgress, is_terminal
 from tests.unit.fake_tty import Clock, FakeTTY, plain_lines
 
 # -- the two modes -----------------------------------------------------------------------------------

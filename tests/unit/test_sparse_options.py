@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.cli_client import sparsity_option
-from app.client import JacobianClient, _row_geometry
 from app.errors import InvalidRequest, validation_message
 from app.inputs import parse_npz_query
 from contracts.jobspec import JobCreate, JobOptions, PatternFrom, PatternUri, QueuedJob, RequestedOptions
 from contracts.records import JobPublic
+from jacobian.cli_client import sparsity_option
+from jacobian.client import JacobianClient, _row_geometry
 
 JOB = "0123456789abcdef0123456789abcdef"
 

@@ -121,7 +121,7 @@ def test_preview_draws_the_pattern(stored):
 
 
 def test_main_array_is_values_for_the_service_and_the_client(stored):
-    from app.client import open_coo, open_zarr
+    from jacobian.client import open_coo, open_zarr
 
     uri, matrix = stored
     np.testing.assert_array_equal(storage.open_result(uri)[...], matrix.tocoo().data)

@@ -20,9 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_compute_matfree(args: argparse.Namespace) -> int:
-    from app.progress import RowProgress
     from contracts import storage
     from contracts.settings import get_settings
+    from jacobian.progress import RowProgress
     from worker.engine import EngineError, TFMemoryProbe
     from worker.engine.matfree import build_operator
     from worker.inputs import InvalidInputs, effective_budget, load_inputs

@@ -1,6 +1,6 @@
 """The client commands of ``jacobian``: ``submit``, ``status``, ``fetch``, ``list``, ``cancel``.
 
-They talk to the API at ``--api`` (default ``JACOBIAN_API_URL``) through ``app.client``; nothing
+They talk to the API at ``--api`` (default ``JACOBIAN_API_URL``) through ``jacobian.client``; nothing
 here imports TensorFlow. Exit codes: 0 success, 1 the job failed or was canceled (``--wait``),
 2 an error answer of the API or the API out of reach, printed as ``error: <type>: <message>``.
 """
@@ -28,7 +28,7 @@ def _api_url(args: argparse.Namespace) -> str:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from app.client import JacobianClient
+    from jacobian.client import JacobianClient
 
     return JacobianClient(_api_url(args), api_key=args.api_key or None)
 
@@ -39,7 +39,8 @@ def _fail(kind: str, message: str, code: int = 2) -> int:
 
 
 def _show_record(progress: Any, record: dict[str, Any]) -> None:
-    """A job record's progress on ``progress`` (``app.progress.RowProgress``): rows, rate, ETA, status, strategy."""
+    """A job record's progress on ``progress`` (``jacobian.progress.RowProgress``): rows, rate, ETA, status,
+    strategy."""
     numbers = record.get("progress") or {}
     strategy = (record.get("plan") or {}).get("strategy")
     state = ", ".join(str(s) for s in (record.get("status"), strategy and f"strategy {strategy}") if s)
@@ -52,7 +53,7 @@ def _show_record(progress: Any, record: dict[str, Any]) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Post the .npz as the body (options as query parameters); print the id; ``--wait`` shows progress."""
-    from app.client import JacobianError, JobFailed
+    from jacobian.client import JacobianError, JobFailed
 
     path = Path(args.input)
     try:
@@ -109,7 +110,7 @@ def _with_seeds(npz_body: bytes, seeds_path: str) -> bytes:
 
 
 def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, failed_cls: type) -> int:
-    from app.progress import RowProgress
+    from jacobian.progress import RowProgress
 
     # a bar on a terminal; in a log or a pipe, a plain line every 10 s, on each new status and at the end
     progress = RowProgress(sys.stderr, enabled=not args.quiet)
@@ -135,7 +136,7 @@ def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, f
 
 def cmd_status(args: argparse.Namespace) -> int:
     """The job's record as JSON on stdout (``--wait``: with a progress bar until it ends)."""
-    from app.client import JacobianError, JobFailed
+    from jacobian.client import JacobianError, JobFailed
 
     code = 0
     with _client(args) as client:
@@ -171,8 +172,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     """Rows of a succeeded job into an ``.npy`` file, page by page (host memory stays bounded)."""
     import numpy as np
 
-    from app.client import JacobianError
-    from app.progress import RowProgress
+    from jacobian.client import JacobianError
+    from jacobian.progress import RowProgress
 
     try:
         rows = _parse_rows(args.rows)
@@ -220,7 +221,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def _expected_rows(client: Any, job_id: str, rows: slice | None) -> int | None:
     """How many rows ``rows`` selects, from the result's ``rows_total`` (None when unknown)."""
-    from app.client import _row_range
+    from jacobian.client import _row_range
 
     total, _ = client.row_geometry(job_id)
     if total is None:
@@ -231,7 +232,7 @@ def _expected_rows(client: Any, job_id: str, rows: slice | None) -> int | None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Jobs newest first, as a table (``--json``: the records)."""
-    from app.client import JacobianError
+    from jacobian.client import JacobianError
 
     with _client(args) as client:
         try:
@@ -260,7 +261,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Request cancellation; prints the record."""
-    from app.client import JacobianError
+    from jacobian.client import JacobianError
 
     with _client(args) as client:
         try:
@@ -313,7 +314,7 @@ def register(sub: Any) -> None:
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar on stderr")
     _waiting(p)
     _common(p)
-    from app.cli_matfree import add_arguments as add_matfree_arguments
+    from jacobian.cli_matfree import add_arguments as add_matfree_arguments
 
     add_matfree_arguments(p)
     p.set_defaults(func=cmd_submit)

@@ -1,6 +1,6 @@
 """A typed Python client of the Jacobian service's HTTP API (httpx and numpy; never TensorFlow).
 
-    from app.client import JacobianClient
+    from jacobian.client import JacobianClient
 
     with JacobianClient("http://127.0.0.1:8000") as client:
         job_id = client.submit("mlp", {"x": x}, kind="batch_jacobian")
@@ -34,7 +34,8 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from app.client_storage import (
+from contracts.records import JobAccepted, JobList, JobPublic
+from jacobian.results import (
     coo_of,
     is_coo,
     main_array_of,
@@ -44,7 +45,6 @@ from app.client_storage import (
     open_zarr,
     s3_storage_options,
 )
-from contracts.records import JobAccepted, JobList, JobPublic
 
 __all__ = ["JacobianClient", "JacobianError", "JobFailed", "JobCanceled", "DEFAULT_API_URL", "TERMINAL",
            "open_zarr", "open_xarray", "open_coo", "coo_of", "s3_storage_options"]

@@ -30,10 +30,10 @@ def parse_sparsity(text: str | None) -> Any:
 
 def cmd_compute_sparse(args: argparse.Namespace, job_id: str) -> int | None:
     """The exit code, or None when the dense computation must follow (the reason printed)."""
-    from app.progress import RowProgress
     from contracts import storage
     from contracts.layout import RESULT_GROUP, job_url
     from contracts.settings import get_settings
+    from jacobian.progress import RowProgress
     from worker.engine import EngineError, TFMemoryProbe
     from worker.engine.plan_cache import default_cache_dir
     from worker.inputs import InvalidInputs, effective_budget, load_inputs
