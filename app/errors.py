@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from contracts.graph_scan import ModelRefused
 from contracts.jobstore import JobNotFound
 from contracts.savedmodel import SavedModelError, SignatureNotFound
 
@@ -131,6 +132,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (UnsupportedMediaType, 415),
     (RangeNotSatisfiable, 416),
     (ModelNotFound, 422),
+    (ModelRefused, 422),
     (SignatureNotFound, 422),
     (SavedModelError, 422),
     (InvalidRequest, 422),
@@ -195,6 +197,8 @@ def _message(exc: BaseException) -> str:
         return f"id: no job {str(exc.args[0])[:64]!r}; list jobs with GET /v1/jobs"
     if isinstance(exc, SignatureNotFound):
         return f"model.signature: {exc}"
+    if isinstance(exc, ModelRefused):
+        return exc.message
     if isinstance(exc, SavedModelError):
         return f"model.path: {exc}"
     if isinstance(exc, StarletteHTTPException):
@@ -270,6 +274,6 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handler(app: FastAPI) -> None:
     """Route every domain error, validation error and HTTP error through ``handle_error``."""
-    for cls in (ApiError, JobNotFound, SavedModelError, SignatureNotFound, ValidationError,
+    for cls in (ApiError, JobNotFound, ModelRefused, SavedModelError, SignatureNotFound, ValidationError,
                 RequestValidationError, StarletteHTTPException, RedisConnectionError, RedisTimeoutError, Exception):
         app.add_exception_handler(cls, handle_error)

@@ -120,6 +120,7 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
         job = tensors.parse_job_json(body)
         options, model = JobOptions.model_validate(job.model_dump(include=set(JobOptions.model_fields))), job.model
     model_dir, info, sig = load_signature(model.path, model.signature, settings.model_roots,
+                                          op_allow=settings.model_op_allow,
                                           path_field="model.path" if job else "model_path",
                                           signature_field="model.signature" if job else "signature")
 

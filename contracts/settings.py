@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     shard_min_seconds: float = Field(10.0, ge=0, description="least estimated compute per shard when a job is "
                                      "split automatically")
     model_cache_size: int = 4
+    model_op_allow: dict[str, list[str]] = Field(
+        default_factory=dict, description="graph ops allowed beyond contracts/op_allowlist.txt, per model root "
+        "(or any folder: a model gets the ops of every folder it lies in), as JSON: "
+        "'{\"/srv/models/legacy\": [\"PyFunc\"]}'; see docs/MODEL_SAFETY.md")
     try_xla: bool = Field(True, description="let strategy trials try XLA variants")
     cache_dir: str | None = Field(None, description="folder for plans (default ~/.cache/jacobian); workers "
                                   "share plans through Redis and keep them here too")

@@ -1,4 +1,5 @@
-"""Process-wide LRU cache of loaded SavedModels, keyed by (resolved path, signature, saved_model.pb mtime)."""
+"""Process-wide LRU cache of loaded SavedModels, keyed by (resolved path, signature, saved_model.pb mtime); each
+model's graph is scanned (``contracts.graph_scan``) before it is loaded."""
 
 from __future__ import annotations
 
@@ -17,16 +18,33 @@ def _default_loader(path: str, signature: str) -> Any:
     return load_model(path, signature)
 
 
-class ModelCache:
-    """Keeps up to ``max_models`` loaded models; a model replaced on disk (new mtime) is reloaded.
+def scan_model(path: str) -> None:
+    """Refuse the SavedModel at ``path`` if its graph holds an op outside the allowlist and outside the
+    operator's ``model_op_allow`` for its root (``contracts.graph_scan.ModelRefused``), read from the
+    settings at each call. A ``saved_model.pbtxt`` without a ``saved_model.pb`` is refused
+    (``SavedModelError``): the scan reads only the binary form."""
+    from contracts.graph_scan import scan_saved_model
+    from contracts.settings import get_settings
 
-    Loading may raise whatever ``worker.engine.load_model`` raises (``EngineError``, ``OSError``).
+    if not any((Path(path) / name).exists() for name in ("saved_model.pb", "saved_model.pbtxt")):
+        return  # nothing TensorFlow could load either: the loader names what is missing
+    settings = get_settings()
+    scan_saved_model(path, op_allow=settings.model_op_allow, roots=settings.model_roots, field="model.path")
+
+
+class ModelCache:
+    """Keeps up to ``max_models`` loaded models; a model replaced on disk (new mtime) is scanned and loaded again.
+
+    Loading may raise what ``scan`` raises (``ModelRefused``, ``SavedModelError``), then whatever
+    ``worker.engine.load_model`` raises (``EngineError``, ``OSError``); a refused model is never loaded.
     """
 
     def __init__(self, *, max_models: int = DEFAULT_MAX_MODELS,
-                 loader: Callable[[str, str], Any] = _default_loader) -> None:
+                 loader: Callable[[str, str], Any] = _default_loader,
+                 scan: Callable[[str], None] | None = scan_model) -> None:
         self.max_models = max(1, max_models)
         self.loader = loader
+        self.scan = scan
         self._models: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -44,6 +62,8 @@ class ModelCache:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
+            if self.scan is not None:
+                self.scan(key[0])
             model = self.loader(key[0], signature)
             self._models[key] = model
             while len(self._models) > self.max_models:

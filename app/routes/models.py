@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,20 +12,23 @@ from starlette.concurrency import run_in_threadpool
 from app.deps import SettingsDep, require_api_key
 from app.errors import ModelNotFound, SignatureMismatch, error_responses
 from app.security import require_saved_model, resolve_model_path
+from contracts.graph_scan import scan_saved_model
 from contracts.savedmodel import SavedModelError, SavedModelInfo, Signature, SignatureNotFound, read_saved_model
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_api_key)],
-                   responses=error_responses(401, 403, 404))
+                   responses=error_responses(401, 403, 404, 422))
 
 
-def load_signature(path: str, signature: str, roots: list[str], *, path_field: str,
-                   signature_field: str) -> tuple[Path, SavedModelInfo, Signature]:
-    """Resolve ``path`` under ``roots`` and read ``signature``; errors name ``path_field``/``signature_field``.
+def load_signature(path: str, signature: str, roots: list[str], *, op_allow: Mapping[str, list[str]],
+                   path_field: str, signature_field: str) -> tuple[Path, SavedModelInfo, Signature]:
+    """Resolve ``path`` under ``roots``, scan its graph (ops beyond the allowlist need ``op_allow`` for its
+    root) and read ``signature``; errors name ``path_field``/``signature_field``.
 
-    Raises ``ModelPathNotAllowed`` (403), ``ModelNotFound`` or ``SignatureMismatch`` (422).
+    Raises ``ModelPathNotAllowed`` (403), ``ModelNotFound``, ``ModelRefused`` or ``SignatureMismatch`` (422).
     """
     model_dir = require_saved_model(resolve_model_path(path, roots, field=path_field), field=path_field)
     try:
+        scan_saved_model(model_dir, op_allow=op_allow, roots=roots, field=path_field)
         info = read_saved_model(model_dir)
     except SavedModelError as exc:
         raise ModelNotFound(f"{path_field}: {exc}; export the model with tf.saved_model.save or "
@@ -44,7 +48,8 @@ async def get_signature(
     """Inputs and outputs of one signature (``{name: {dtype, shape}}``, ``None`` = unknown size) and
     the model's variables, which ``wrt`` names as ``"variables/<name>"``."""
     model_dir, info, _ = await run_in_threadpool(load_signature, path, signature, settings.model_roots,
-                                                 path_field="path", signature_field="signature")
+                                                 op_allow=settings.model_op_allow, path_field="path",
+                                                 signature_field="signature")
     return {
         "path": str(model_dir),
         "signature": signature,

@@ -9,8 +9,10 @@ from typing import Any
 
 import redis
 
+from contracts.graph_scan import ModelRefused
 from contracts.jobspec import JobStatus, QueuedJob
 from contracts.jobstore import JobStore
+from contracts.savedmodel import SavedModelError
 from contracts.settings import Settings
 from worker.engine.errors import EngineError, Stopped
 from worker.inputs import InvalidInputs, ModelPathNotAllowed
@@ -30,7 +32,7 @@ class Outcome(enum.Enum):
     """What an error means for the job; the attempt's hooks carry it out."""
 
     STOPPED = "stopped"      # cancel (or the job ended elsewhere): stop, remove nothing more
-    INVALID = "invalid"      # the request cannot succeed (engine, inputs, model path): fail for good, no raise
+    INVALID = "invalid"      # the request cannot succeed (engine, inputs, model path, model refused): fail for good
     TIMEOUT = "timeout"      # rq's job timeout: fail for good as JobTimeout, no retry, re-raise for rq
     RETRY = "retry"          # transient, retries left: re-raise, rq's Retry runs it again (it resumes)
     EXHAUSTED = "exhausted"  # transient, no retries left: fail, keep committed blocks, re-raise
@@ -68,7 +70,7 @@ def classify(err: BaseException, *, retries_left: bool) -> Outcome:
         return Outcome.TIMEOUT
     if is_transient(err):
         return Outcome.RETRY if retries_left else Outcome.EXHAUSTED
-    if isinstance(err, (EngineError, InvalidInputs, ModelPathNotAllowed)):
+    if isinstance(err, (EngineError, InvalidInputs, ModelPathNotAllowed, ModelRefused, SavedModelError)):
         return Outcome.INVALID
     return Outcome.BUG
 
