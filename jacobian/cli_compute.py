@@ -1,9 +1,9 @@
-"""``jacobian compute``: a Jacobian in this process, no Redis, written as a job's Zarr result and manifest.
+"""``jacobian compute``: any kind in this process, no Redis, written as a job's Zarr result and manifest.
 
-The engine and the worker's pipeline run in-process (``worker.pipeline.compute_to_storage``; the matrix-free
-kinds in ``jacobian.cli_matfree``, ``--sparsity`` in ``jacobian.cli_sparse``); TensorFlow and ``worker`` are
-imported inside ``cmd_compute`` only, so building the parser needs neither (``jacobian --help`` on a client
-install).
+The request is checked by the rules a POST meets (``contracts.jobspec``) and run through the worker's one
+execution interface (``worker.execution.local.run_local``: the executor of the kind's family, as a job's);
+TensorFlow and ``worker`` are imported inside ``cmd_compute`` only, so building the parser needs neither
+(``jacobian --help`` on a client install). Messages use the command line's spelling (``--wrt``, ``--reduce sum``).
 """
 
 from __future__ import annotations
@@ -15,90 +15,114 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from contracts.jobspec import MATRIX_FREE_KINDS as MATFREE_KINDS
+from contracts.kinds import KINDS as REGISTERED
 from jacobian.cli_matfree import add_arguments as add_matfree_arguments
 from jacobian.cli_sparse import add_arguments as add_sparse_arguments
 
 _STARTED = time.perf_counter()
-KINDS = ("jacobian", "batch_jacobian", "hessian")
+KINDS = tuple(REGISTERED)
 MODES = ("auto", "reverse", "forward")
 
 
 def cmd_compute(args: argparse.Namespace) -> int:
-    """The engine in-process, no Redis: Zarr result and manifest under ``{out}/{job_id}/``."""
+    """The engine in-process, no Redis: Zarr result and manifest under ``{out}/{job_id}/``, every kind through the
+    worker's one execution interface (``worker.execution.local.run_local``), the same rules as at POST."""
+    from pydantic import ValidationError
+
     from contracts.settings import get_settings
-    from jacobian.cli_matfree import cmd_compute_matfree
+    from jacobian.cli_matfree import load_seeds
+    from jacobian.cli_sparse import parse_sparsity
+    from jacobian.progress import RowProgress
+    from worker.engine import EngineError
+    from worker.execution.local import local_job, run_local
+    from worker.inputs import InvalidInputs, effective_budget, load_inputs
     from worker.main import configure_devices
 
-    configure_devices(get_settings())
-    if args.sparsity is not None and args.kind != "jacobian":
-        print("error: --sparsity: only kind 'jacobian' is computed sparse; remove it or use --kind jacobian",
-              file=sys.stderr)
-        return 2
-    if args.kind in MATFREE_KINDS:
-        return cmd_compute_matfree(args)
-    if args.wrt and len(args.wrt) > 1:
-        print(f"error: --wrt: several names are taken by the matrix-free kinds ({', '.join(MATFREE_KINDS)}) so "
-              f"far; kind {args.kind!r} takes one", file=sys.stderr)
-        return 2
-    args.wrt = args.wrt[0] if args.wrt else None
-    job_id = args.job_id or uuid.uuid4().hex
-    if args.sparsity is not None:
-        from jacobian.cli_sparse import cmd_compute_sparse
-
-        code = cmd_compute_sparse(args, job_id)
-        if code is not None:
-            return code
-    from contracts import storage
-    from jacobian.progress import RowProgress
-    from worker.engine import DiskPlanCache, EngineError, TFMemoryProbe
-    from worker.engine.planning import prepare
-    from worker.inputs import InvalidInputs, effective_budget, load_inputs
-    from worker.model_cache import get_model
-    from worker.pipeline import compute_to_storage
-
-    model_path = str(Path(args.model).expanduser().resolve())
     settings = get_settings()
-    plans = DiskPlanCache(settings.cache_dir)
+    configure_devices(settings)
+    job_id = args.job_id or uuid.uuid4().hex
+    wrt = args.wrt[0] if args.wrt and len(args.wrt) == 1 else args.wrt
+    options = {"of": args.of, "wrt": wrt, "kind": args.kind, "mode": args.mode, "reduce": args.reduce,
+               "check_independence": args.check_independence, "output_dtype": args.output_dtype,
+               "precision": args.precision, "chunk_rows": args.chunk_rows, "rank": args.rank, "tol": args.tol,
+               "samples": args.samples, "sparsity": parse_sparsity(args.sparsity)}
+    try:
+        job = local_job(options, model_path=str(Path(args.model).expanduser().resolve()), signature=args.signature,
+                        out=args.out, job_id=job_id, inputs_path=args.input)
+    except ValidationError as err:
+        print(f"error: {cli_spelling(err)}", file=sys.stderr)
+        return 2
     progress = RowProgress(sys.stderr)  # a bar on a terminal, else a line every 10 s and the last one
 
     def on_plan(plan: dict[str, Any]) -> None:
         progress.set_state(f"strategy {plan['strategy']}" if plan.get("strategy") else "")
         progress.note(f"plan: {plan}")
 
+    print(f"job {job_id}: {args.kind} of {args.of or '(the output)'} w.r.t. {wrt or '(the input)'}"
+          f"{f' ({args.sparsity} sparsity)' if args.sparsity else ''}", file=sys.stderr, flush=True)
     try:
+        seeds = load_seeds(args.seeds)
         inputs = load_inputs(args.input, settings=settings, field="--input")
-        model = get_model(model_path, args.signature)
-        probe = TFMemoryProbe()
-        problem, plan = prepare(model, inputs, cache=plans, device=probe.device, of=args.of, wrt=args.wrt,
-                                kind=args.kind, mode=args.mode, reduce=args.reduce,
-                                check_independence=args.check_independence, output_dtype=args.output_dtype)
-        print(f"job {job_id}: {problem.kind} d{problem.of}/d{problem.wrt}, shape {tuple(problem.layout.shape)}, "
-              f"{problem.rows_total} rows, mode {problem.mode}, plan {plan.source} ({plan.strategy})",
-              file=sys.stderr, flush=True)
-        progress.set_state(f"strategy {plan.strategy}" if plan.strategy else "")
-        manifest = compute_to_storage(
-            problem, results_url=storage.normalize(args.out), job_id=job_id,
-            memory_budget_bytes=effective_budget(args.memory_budget, settings.memory_budget_bytes),
-            chunk_rows=args.chunk_rows, plan=plan, on_learned=plans.put, probe=probe, try_xla=settings.try_xla,
-            block_bytes=settings.block_bytes, precision=args.precision,
-            on_plan=on_plan, on_progress=lambda p: progress.update(p.rows_done, p.rows_total, rate=p.rows_per_second,
+        manifest = run_local(job, inputs=inputs, seeds=seeds, on_plan=on_plan,
+                             on_progress=lambda p: progress.update(p.rows_done, p.rows_total, rate=p.rows_per_second,
                                                                    eta=p.eta_seconds),
-            manifest_fields={"model": {"path": model_path, "signature": args.signature}})
-    except (EngineError, InvalidInputs) as err:
+                             budget_bytes=effective_budget(args.memory_budget, settings.memory_budget_bytes))
+    except (EngineError, InvalidInputs, ValueError) as err:
         progress.close()
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {as_flag(str(err))}", file=sys.stderr)
         return 2
     finally:
         progress.close()
-    done = manifest.get("plan") or {}
-    if done.get("rows_computed"):
-        rate = done["rows_computed"] / max(done.get("run_seconds") or 1e-9, 1e-9)
-        print(f"done: {done['rows_computed']} rows in {done.get('run_seconds')} s ({rate:.1f} rows/s, strategy "
-              f"{done.get('strategy')}, chunks of {done.get('chunk_rows')}), {time.perf_counter() - _STARTED:.1f} s "
-              "since start", file=sys.stderr, flush=True)
-    print(manifest["uri"])
+    print(done_line(manifest, time.perf_counter() - _STARTED), file=sys.stderr, flush=True)
+    print(manifest["uri"], flush=True)
     return 0
+
+
+FLAGS = ("wrt", "of", "rank", "tol", "samples", "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
+         "memory_budget_bytes", "chunk_rows", "inputs")
+
+
+def as_flag(message: str) -> str:
+    """A message that starts with a request field (``wrt: ...``) in the command line's spelling (``--wrt: ...``),
+    and the API's ``reduce='sum'`` as ``--reduce sum``."""
+    head, sep, rest = message.partition(":")
+    name = head.split(".")[0]
+    if sep and name in FLAGS:
+        flag = {"memory_budget_bytes": "memory-budget", "inputs": "input"}.get(name, name.replace("_", "-"))
+        message = f"--{flag}{head[len(name):]}:{rest}"
+    return message.replace("reduce='sum'", "--reduce sum").replace("GET /v1/models/signature", "the model's signature")
+
+
+def cli_spelling(err: Any) -> str:
+    """A request refused by the rules (a ``pydantic.ValidationError``) in the command line's words."""
+    parts = []
+    for e in err.errors():
+        message = str(e.get("msg", "")).removeprefix("Value error, ")
+        field = ".".join(str(p) for p in e.get("loc", ()) if not isinstance(p, int))
+        parts.append(as_flag(message if ":" in message.split(" ")[0] or not field else f"{field}: {message}"))
+    return "; ".join(parts)
+
+
+def done_line(manifest: dict[str, Any], since_start_s: float) -> str:
+    """The ``done:`` line: what was computed, by which route, how fast."""
+    plan = manifest.get("plan") or {}
+    lines = []
+    if (plan.get("sparsity") or {}).get("fallback"):
+        lines.append(f"sparsity: {plan['sparsity']['fallback']}; computed densely")
+    if manifest.get("format") == "coo":
+        info = manifest["sparsity"]
+        lines.append(f"done: {info['nnz']} non-zeros of {manifest['dense_shape'][0]} x {manifest['dense_shape'][1]} "
+                     f"(density {info['density']:.3g}) from {info['colors']} {info['mode']} products, verified "
+                     f"{info['verified']}; seconds {info['seconds']}")
+    elif "method" in plan:
+        lines.append(f"done: {plan.get('kind')} by {plan['method']}, {plan.get('iterations')} iterations, products "
+                     f"{plan.get('products')}, {plan.get('run_seconds')} s")
+    else:
+        rows = plan.get("rows_computed") or 0
+        rate = rows / max(plan.get("run_seconds") or 1e-9, 1e-9)
+        lines.append(f"done: {rows} rows in {plan.get('run_seconds')} s ({rate:.1f} rows/s, strategy "
+                     f"{plan.get('strategy')}, chunks of {plan.get('chunk_rows')}), {since_start_s:.1f} s since start")
+    return "\n".join(lines)
 
 
 def add_parser(sub: Any) -> None:
@@ -109,8 +133,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--signature", default="serving_default")
     p.add_argument("--of", help="output name (default: the only output)")
     p.add_argument("--wrt", nargs="+", help="input name or variables/<name> (default: the only float input); "
-                   "matrix-free kinds: several, or variables/* for every trainable variable")
-    p.add_argument("--kind", choices=KINDS + MATFREE_KINDS, default="jacobian")
+                   "several, or variables/* for every trainable variable: one concatenated wrt axis")
+    p.add_argument("--kind", choices=KINDS, default="jacobian")
     p.add_argument("--mode", choices=MODES, default="auto")
     p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
     p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")

@@ -107,4 +107,57 @@ def test_compute_sparsity_auto_then_pattern_from_and_a_dense_fallback(tmp_path: 
     assert zarr.open_array(str(out / "sp3" / "result.zarr" / "jacobian"), mode="r").shape == (1, 3, 1, 6)
     wrong = jacobian_cli("compute", "--model", str(mlp), "--input", str(tmp_path / "x.npz"), "--out", str(out),
                          "--sparsity", "auto", "--kind", "hessian", "--reduce", "sum")
-    assert wrong.returncode == 2 and "--sparsity: only kind 'jacobian'" in wrong.stderr
+    assert wrong.returncode == 2 and "--sparsity: only for kind 'jacobian'" in wrong.stderr
+
+
+def test_several_wrt_for_the_dense_kinds_equal_gradient_tape(multi_io_model: Path, tmp_path: Path) -> None:
+    """``--kind jacobian --wrt a b`` and ``--kind batch_jacobian --wrt a b`` (float32, 2e-5) and ``--kind hessian
+    --wrt 'variables/*'`` (float64, 1e-9): one concatenated wrt axis, equal to GradientTape's blocks side by side."""
+    import tensorflow as tf
+
+    from tests.engine.reference import tape_jacobian
+    from worker.engine import load_model
+
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(2, 4)).astype(np.float32), rng.normal(size=(2, 3)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", a=a, b=b)
+    out = tmp_path / "results"
+    model = load_model(str(multi_io_model))
+    for kind, job in (("jacobian", "j"), ("batch_jacobian", "bj")):
+        proc = jacobian_cli("compute", "--model", str(multi_io_model), "--input", str(tmp_path / "in.npz"),
+                            "--of", "v", "--wrt", "a", "b", "--kind", kind, "--job-id", job, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = zarr.open_array(str(out / job / "result.zarr" / "jacobian"), mode="r")[...]
+        batch = kind == "batch_jacobian"
+        ja, jb = (tape_jacobian(model, {"a": a, "b": b}, "v", w, batch=batch) for w in ("a", "b"))
+        want = np.concatenate([ja.reshape(2, 3, -1), jb.reshape(2, 3, -1)], axis=2)
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=2e-5, atol=2e-6)
+        assert got.shape == ((2, 3, 7) if batch else (2, 3, 14))   # per example; the whole batch's inputs
+
+    f64 = models.float64_model(tmp_path / "f64")
+    x = rng.normal(size=(3, 5))
+    np.savez(tmp_path / "x.npz", x=x)
+    proc = jacobian_cli("compute", "--model", str(f64), "--input", str(tmp_path / "x.npz"), "--of", "loss",
+                        "--wrt", "variables/*", "--kind", "hessian", "--job-id", "h", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    group = zarr.open_group(str(out / "h" / "result.zarr"), mode="r")
+    loaded = load_model(str(f64))
+    names = [n.split("/", 1)[1] for n in group.attrs["wrt"]]
+    targets = [loaded.variables[n] for n in names]
+    with tf.GradientTape(persistent=True) as outer:
+        with tf.GradientTape() as inner:
+            y = loaded.fn(x=tf.constant(x))["loss"]
+        flat = tf.concat([tf.reshape(g, [-1]) for g in inner.gradient(y, targets)], axis=0)
+    want = np.concatenate([np.asarray(outer.jacobian(flat, t)).reshape(flat.shape[0], -1) for t in targets], axis=1)
+    np.testing.assert_allclose(group["jacobian"][...], want, rtol=1e-9, atol=1e-12)
+    assert "stacked/hvp" in proc.stderr
+
+
+def test_cli_refusals_speak_the_cli(multi_io_model: Path, tmp_path: Path) -> None:
+    np.savez(tmp_path / "in.npz", a=np.ones((2, 4), np.float32), b=np.ones((2, 3), np.float32))
+    base = ("compute", "--model", str(multi_io_model), "--input", str(tmp_path / "in.npz"), "--out", str(tmp_path))
+    proc = jacobian_cli(*base, "--of", "v", "--kind", "svd", "--wrt", "a")
+    assert proc.returncode == 2 and "--rank:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    proc = jacobian_cli(*base, "--of", "v", "--kind", "hessian", "--wrt", "a")
+    assert proc.returncode == 2 and "--reduce sum" in proc.stderr and "reduce='sum'" not in proc.stderr, \
+        proc.stderr[-2000:]
