@@ -415,9 +415,11 @@ def test_run_products_result(built):
     result = run_products(op, "vjp", np.ones((3,) + op.of_shape), chunk_size=2,
                           progress=lambda i, total: calls.append((i, total)),
                           on_chunk=lambda start, rows: chunks.append((start, rows)))
-    assert result.arrays["products"].shape == (3, 6, 8) and calls == [(2, 3), (3, 3)]
+    assert result.arrays == {} and calls == [(2, 3), (3, 3)]   # streamed to on_chunk: none held here
     assert [(s, r.shape, r.dtype) for s, r in chunks] == [(0, (2, 6, 8), np.float64), (2, (1, 6, 8), np.float64)]
-    np.testing.assert_array_equal(np.concatenate([r for _, r in chunks]), result.arrays["products"])
+    kept = run_products(op, "vjp", np.ones((3,) + op.of_shape), chunk_size=2)
+    assert kept.arrays["products"].shape == (3, 6, 8)
+    np.testing.assert_array_equal(np.concatenate([r for _, r in chunks]), kept.arrays["products"])
     assert result.products["vjp"] == 3 and result.method == "reverse/vectorized"
     json.dumps(result.attributes())
 
@@ -521,3 +523,63 @@ def test_pure_rules_need_no_tensorflow():
     assert matfree_rules.check_seeds("jvp", (2, 10), of_shape=(3,), wrt_shape=(2, 5)) == 2
     with pytest.raises(RuleViolation):
         matfree_rules.check_rank("svd", 4, of_size=3, wrt_size=10)
+
+
+# -- tiled: all seeds through one pass over inputs tiled on the batch axis -----------------------
+
+
+@pytest.fixture(scope="module")
+def multi_io_model(tmp_path_factory):
+    from worker.engine import load_model
+
+    return load_model(str(models.multi_io(tmp_path_factory.mktemp("multi_io") / "m")))
+
+
+@pytest.mark.parametrize("kind", ["jvp", "vjp"])
+def test_tiled_products_agree_with_gradient_tape(multi_io_model, kind):
+    """``tiled`` over two input sources (one concatenated axis) gives GradientTape's products."""
+    from worker.engine.matfree import TILED_ROUTES, build_operator
+
+    rng = np.random.default_rng(3)
+    inputs = {"a": rng.standard_normal((2, 4)).astype("float32"), "b": rng.standard_normal((2, 3)).astype("float32")}
+    op = build_operator(multi_io_model, inputs, of="v", wrt=["a", "b"])
+    jac, _ = dense(op)
+    seeds = rng.standard_normal((5, op.n_wrt if kind == "jvp" else op.n_of))
+    got = op._run(kind, f"{TILED_ROUTES[kind]}/tiled", seeds.astype("float32"))
+    want = seeds @ jac.T if kind == "jvp" else seeds @ jac
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_tiled_comes_first_on_a_large_graph_and_never_for_variables(loaded, monkeypatch):
+    from worker.engine import tuning
+    from worker.engine.matfree import build_operator
+
+    model = loaded("softmax32")
+    op = build_operator(model, inputs_of("softmax32"), of="logits", wrt="x")
+    assert op.candidates("jvp")[:2] == ["forward/vectorized", "forward/tiled"]   # a small graph: pfor's trace is cheap
+    assert op.candidates("vjp")[:2] == ["reverse/vectorized", "reverse/tiled"]
+    monkeypatch.setattr(model, "graph_ops", tuning.SMALL_GRAPH_OPS + 1)
+    assert op.candidates("jvp")[:2] == ["forward/tiled", "forward/vectorized"]
+    assert op.candidates("vjp")[:2] == ["reverse/tiled", "reverse/vectorized"]
+    assert not any("tiled" in c for c in op.candidates("hvp"))
+    on_variable = build_operator(model, inputs_of("softmax32"), of="logits", wrt=["x", "variables/b0"])
+    assert not any("tiled" in c for kind in ("jvp", "vjp") for c in on_variable.candidates(kind))
+
+
+def test_tiled_is_refused_when_examples_interact(tmp_path, monkeypatch):
+    """Tiling is valid only for independent examples: the first call's probe row catches a model whose
+    examples interact (here through a batch mean) and the next label is taken."""
+    from worker.engine import load_model, tuning
+    from worker.engine.matfree import build_operator
+
+    model = load_model(str(models.batch_interacting(tmp_path / "bi")))
+    monkeypatch.setattr(model, "graph_ops", tuning.SMALL_GRAPH_OPS + 1)
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype("float32")
+    op = build_operator(model, {"x": x}, of="y", wrt="x")
+    jac, _ = dense(op)
+    seeds = np.random.default_rng(1).standard_normal((4, op.n_wrt))
+    for kind in ("jvp", "vjp"):
+        got = getattr(op, kind)(seeds).reshape(4, -1)
+        np.testing.assert_allclose(got, seeds @ (jac.T if kind == "jvp" else jac), atol=2e-5 * np.abs(got).max())
+        assert "tiled" not in op.labels[kind]
+        assert "disagrees" in op.failures[f"{'forward' if kind == 'jvp' else 'reverse'}/tiled"]

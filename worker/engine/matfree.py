@@ -15,8 +15,10 @@ How a product is computed (a *label*, ``route/strategy``):
   reverse or reverse-over-reverse; ``vjp`` reverse. Forward mode is not tried w.r.t. a variable: in a
   compiled function TensorFlow's JVP w.r.t. a variable captured by a loaded function is silently zero.
 - strategies: ``vectorized`` (``tf.vectorized_map`` over the seeds: one trace serves any ``k``, the seeds
-  are a ``[None, None]`` argument and the inputs arguments too), ``loop`` (a compiled one-seed function
-  per seed), ``eager`` (no ``tf.function``).
+  are a ``[None, None]`` argument and the inputs arguments too), ``tiled`` (``jvp`` forward, ``vjp``
+  reverse; ``products.tiled_ok``: all seeds through one pass over the inputs tiled on the batch axis, a
+  plain trace; tried before ``vectorized`` on a graph of more than ``tuning.SMALL_GRAPH_OPS`` ops, after
+  it otherwise), ``loop`` (a compiled one-seed function per seed), ``eager`` (no ``tf.function``).
 
 The first call of a kind tries the labels in that order on its seeds plus one random probe seed,
 whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``); the first label
@@ -44,10 +46,12 @@ from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSma
 from worker.engine.memory import is_out_of_memory
 from worker.engine.model import LoadedModel
 from worker.engine.problem import _convert_inputs, _described, _probe_shape, _ruled, error_summary
-from worker.engine.products import body
+from worker.engine.products import body, tiled_ok
+from worker.engine.tuning import SMALL_GRAPH_OPS
 from worker.engine.wrt_axis import WrtAxis, wrt_axis
 
 ROUTES = {"jvp": ("forward", "reverse"), "vjp": ("reverse",), "hvp": ("forward", "reverse")}
+TILED_ROUTES = {"jvp": "forward", "vjp": "reverse"}   # the route of the kinds' ``tiled`` label
 FIRST_SEEDS = 8          # the first call of a kind whose seeds per call are planned from memory: its peak measured
 PROBE_SEED = 20240611   # the random probe row of a kind's first call
 
@@ -103,6 +107,7 @@ class Operator:
         self.routes = {"jvp": "auto", "hvp": "auto", **(routes or {})}
         self.counts = {"jvp": 0, "vjp": 0, "hvp": 0, "checks": 0}
         self.labels: dict[str, str] = {}      # per kind: the label chosen by its first call
+        self.on_choice: Callable[[], None] | None = None   # told when a label is chosen (to keep it)
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
         self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
@@ -241,6 +246,12 @@ class Operator:
             out.append("forward/vectorized")
         if asked != "forward":
             out += ["reverse/vectorized", "reverse/loop", "reverse/eager"]
+        if kind in TILED_ROUTES and tiled_ok(self):
+            tiled = f"{TILED_ROUTES[kind]}/tiled"
+            vectorized = f"{TILED_ROUTES[kind]}/vectorized"
+            if vectorized in out:   # a large graph: tiled first (pfor's trace of it costs tens of seconds)
+                at = out.index(vectorized) + (self.model.graph_ops <= SMALL_GRAPH_OPS)
+                out.insert(at, tiled)
         return out
 
     def _choose(self, kind: str, seeds: np.ndarray) -> np.ndarray:
@@ -267,6 +278,8 @@ class Operator:
                 continue
             self.labels[kind] = label
             self.counts["checks"] += 1
+            if self.on_choice is not None:
+                self.on_choice()
             return rows[:-1]
         tried = "; ".join(f"{k}: {v}" for k, v in self.failures.items())
         raise NotDifferentiable(f"wrt: TensorFlow cannot compute {kind} of {self.of!r} with respect to "

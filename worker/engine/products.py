@@ -2,7 +2,11 @@
 
 ``row_fn`` gives ``one(seed) -> row`` for a kind and a route, flat along the concatenated ``wrt``
 axis; ``body`` maps a batch of seeds through it by a strategy (``vectorized``: ``tf.vectorized_map``;
-``loop`` and ``eager``: one seed per call).
+``loop`` and ``eager``: one seed per call), or, ``tiled``, pushes all ``k`` seeds through one pass of the
+model over its inputs tiled ``k`` times on the batch axis (``tiled_ok``: every ``wrt`` an input, every
+input and ``of`` leading with one batch axis the signature leaves free). ``tiled`` is the dense path's
+cheap trace (a plain forward or backward pass, no pfor) at the price of the model's forward pass per seed;
+it is valid only when examples are independent, which the first call's probe row checks.
 """
 
 from __future__ import annotations
@@ -99,8 +103,44 @@ def row_fn(tf: Any, op: Operator, kind: str, route: str, inputs: dict[str, Any])
                                               unconnected_gradients=zero), dtype)
 
 
+def tiled_ok(op: Operator) -> bool:
+    """Whether ``tiled`` can express ``op``'s products: ``wrt`` inputs only, and every input and ``of`` leading
+    with the same batch axis, free in the signature (``strategies._batched`` for the dense path)."""
+    if op.axis.variables or not op.of_shape:
+        return False
+    batch = op.of_shape[0]
+    specs = op.model.input_specs
+    return all(len(t.shape) >= 1 and int(t.shape[0]) == batch for t in op.inputs.values()) and all(
+        s.shape.rank is not None and s.shape.rank >= 1 and s.shape[0] is None for s in specs.values())
+
+
+def _tiled(tf: Any, op: Operator, kind: str, seeds: Any, inputs: dict[str, Any]) -> Any:
+    """``k`` products in one pass over the inputs tiled ``k`` times: tangents (``jvp``, forward mode) or
+    cotangents (``vjp``) of copy ``i`` are seed ``i``; rows flat, ``(k, n_of)`` or ``(k, n_wrt)``."""
+    k = tf.shape(seeds)[0]
+    tiled = {n: tf.tile(t, tf.concat([[k], tf.ones([tf.rank(t) - 1], tf.int32)], 0)) for n, t in inputs.items()}
+    targets = [tiled[n] for n in op.axis.names]
+    dtype = op.compute_dtype
+    if kind == "jvp":
+        per_copy = tf.split(seeds, list(op.axis.sizes), num=len(targets), axis=1)
+        tangents = [tf.cast(tf.reshape(p, tf.shape(t)), t.dtype) for p, t in zip(per_copy, targets)]
+        with tf.autodiff.ForwardAccumulator(targets, tangents) as acc:
+            y = op.model.fn(**tiled)[op.of]
+        return tf.reshape(tf.cast(acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO), dtype), [k, -1])
+    with tf.GradientTape() as tape:
+        tape.watch(targets)
+        y = op.model.fn(**tiled)[op.of]
+    grads = tape.gradient(y, targets, output_gradients=tf.cast(tf.reshape(seeds, tf.shape(y)), y.dtype))
+    for name, g in zip(op.axis.names, grads):
+        if g is None:
+            raise unconnected(op.of, name)
+    return tf.concat([tf.reshape(tf.cast(g, dtype), [k, -1]) for g in grads], axis=1)
+
+
 def body(tf: Any, op: Operator, kind: str, label: str) -> Callable[[Any, dict[str, Any]], Any]:
     route, strategy = label.split("/")
+    if strategy == "tiled":
+        return lambda seeds, inputs: _tiled(tf, op, kind, seeds, inputs)
 
     def run(seeds: Any, inputs: dict[str, Any]) -> Any:
         one = row_fn(tf, op, kind, route, inputs)

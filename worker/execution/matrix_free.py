@@ -24,8 +24,8 @@ def operator(ctx: RunContext, kind: str | None = None) -> tuple[Any, Any]:
 
     job = ctx.job
     inputs, seeds = ctx.inputs_and_seeds()
-    op = cached_operator(ctx.load_model(), inputs, of=job.of, wrt=job.wrt, kind=kind or job.kind.value,
-                         reduce=job.reduce, output_dtype=job.output_dtype)
+    op = cached_operator(ctx.load_model(), inputs, cache_dir=ctx.cache_dir, of=job.of, wrt=job.wrt,
+                         kind=kind or job.kind.value, reduce=job.reduce, output_dtype=job.output_dtype)
     op.plan_memory(ctx.probe, ctx.budget_bytes)
     return op, seeds
 
