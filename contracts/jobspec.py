@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contracts.kinds import KINDS, Family, kind_spec, kinds_taking, kinds_where
+from contracts.kinds import KINDS, Family, kind_spec, kinds_taking, kinds_where, no_batch_axis_variable
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
                     "uint8", "uint16", "uint32", "uint64", "bool")
@@ -204,8 +204,7 @@ class JobOptions(BaseModel):
             named = self.wrt if isinstance(self.wrt, list) else [self.wrt or ""]
             variables = [n for n in named if n.startswith("variables/")]
             if variables:
-                raise ValueError(f"wrt: kind {spec.name!r} differentiates per example, and {variables[0]!r} has no "
-                                 "batch axis; name inputs with a batch axis, or use kind 'jacobian' for variables")
+                raise ValueError(no_batch_axis_variable(spec.name, variables[0]))
         for name in ("rank", "tol", "samples"):
             kinds = kinds_taking(name)
             if getattr(self, name) is not None and self.kind.value not in kinds:

@@ -113,3 +113,9 @@ def several_wrt(wrt: object) -> bool:
     if isinstance(wrt, (list, tuple)):
         return len(wrt) > 1 or any(w == "variables/*" for w in wrt)
     return wrt == "variables/*"
+
+
+def no_batch_axis_variable(kind: str, variable: str) -> str:
+    """The refusal of a variable as ``wrt`` of a per-example kind (the API's and the engine's words)."""
+    return (f"wrt: kind {kind!r} differentiates per example, and {variable!r} has no batch axis; name inputs "
+            "with a batch axis, or use kind 'jacobian' for variables")

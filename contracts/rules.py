@@ -38,7 +38,7 @@ from typing import Protocol
 
 from contracts.jobspec import DENSE_KINDS, DIFFERENTIABLE_DTYPES, STORABLE_DTYPES
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS as MATRIX_FREE_HESSIAN_KINDS  # the rulebook's, re-exported
-from contracts.kinds import kind_spec
+from contracts.kinds import kind_spec, no_batch_axis_variable
 from contracts.savedmodel import VARIABLE_PREFIX, Shape, strip_variable_suffix
 
 KINDS = DENSE_KINDS   # the kinds this rulebook's dense rules cover (contracts.kinds: family dense)
@@ -278,8 +278,7 @@ def check_batch_axes(of: str, of_shape: Shape, wrt: str, wrt_shape: Shape) -> No
     """A batch Jacobian needs an input ``wrt`` and an ``of`` with a batch axis (axis 0) of the same size
     (unknown sizes pass: the engine checks them again on the concrete shapes)."""
     if wrt.startswith(VARIABLE_PREFIX):
-        raise RuleViolation("wrt: batch_jacobian needs an input with a batch axis, not a variable; use "
-                            "kind='jacobian' for a Jacobian with respect to a variable", field="wrt")
+        raise RuleViolation(no_batch_axis_variable("batch_jacobian", wrt), field="wrt")
     if wrt_shape is not None and len(wrt_shape) == 0:
         raise RuleViolation(f"wrt: {wrt!r} is a scalar; batch_jacobian needs a batch axis (axis 0); "
                             "use kind='jacobian'", field="wrt")
