@@ -30,9 +30,11 @@ class KindSpec:
     ``required`` those of them that must be given. ``several_wrt``: ``wrt`` may be a list or
     ``"variables/*"``; ``batch_axis``: the result has a per-example first axis (variables cannot be wrt).
     ``sparsity``: the ``sparsity`` option applies. ``shards``/``resume``: the unit a job splits into and
-    resumes from (``"blocks"``: storage blocks of rows or seeds; ``"colours"``: blocks of colours;
-    None: no shards / starts over). ``preview``: how ``preview.png`` draws it (``heatmap``, ``products``,
-    ``spectrum``), with ``symbol`` and ``product_axes`` for the products.
+    resumes from (``"blocks"``: storage blocks of rows or seeds; None: no shards / starts over);
+    ``sparse_unit``: the same for the ``sparsity`` route (``"colours"``: storage blocks of the compressed
+    products, one row a colour; a pattern that does not pay falls back to ``shards``). ``preview``: how
+    ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``), with ``symbol`` and ``product_axes``
+    for the products.
     """
 
     name: str
@@ -48,6 +50,7 @@ class KindSpec:
     sparsity: bool = False
     shards: str | None = "blocks"
     resume: str | None = "blocks"
+    sparse_unit: str | None = None
     preview: str = "heatmap"
     symbol: str = ""          # the product's symbol in previews ("J v"), for the product kinds
     product_axes: str = ""    # the products' trailing axes: "of" or "wrt", for the product kinds
@@ -64,7 +67,7 @@ class KindSpec:
 
 _SPECS = (
     KindSpec("jacobian", Family.dense, ("jacobian",), "d of / d wrt, shape of.shape + wrt.shape",
-             sparsity=True),
+             sparsity=True, sparse_unit="colours"),
     KindSpec("batch_jacobian", Family.dense, ("jacobian",), "per example, shape (B,) + of.shape[1:] + wrt.shape[1:]",
              batch_axis=True),
     KindSpec("hessian", Family.dense, ("jacobian",), "d2 of / d wrt2 of a scalar of, shape wrt.shape + wrt.shape",

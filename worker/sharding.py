@@ -31,9 +31,10 @@ class ShardPlan:
     """The split of one job, stored once (the first planner's wins) and read by every shard.
 
     ``ranges``: ``[start, stop)`` rows of each shard, on storage-block boundaries; ``strategy``: the
-    chunk strategy every shard runs (so all rows are computed alike); ``block_bytes``: the storage
-    block size of the array; ``engine_plan``: the planner's ``Plan`` as JSON (None in plans stored by
-    earlier versions, which also lack ``mode``'s companions).
+    chunk strategy every shard runs (so all rows are computed alike; ``"sparse"``: the rows are the colours
+    of a sparse job's compressed products); ``block_bytes``: the storage block size of the array;
+    ``engine_plan``: the planner's ``Plan`` as JSON (None in plans stored by earlier versions, which also
+    lack ``mode``'s companions); ``sparsity``: a job with option ``sparsity``, its ``plan.sparsity``.
     """
 
     shards: int
@@ -43,6 +44,7 @@ class ShardPlan:
     block_bytes: int | None = None
     mode: str | None = None
     engine_plan: dict[str, Any] | None = None
+    sparsity: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,6 +110,16 @@ def split_rows(blocks: list[Any], shards: int) -> list[tuple[int, int]]:
         out.append((blocks[first].row_start, blocks[last - 1].row_stop))
         first = last
     return out
+
+
+def credit_committed(store: Any, job_id: str, split: ShardPlan, blocks: list[Any], committed: set[int]) -> None:
+    """Rows (colours) committed before the split (the planner measuring the job's rate) count for their shard."""
+    from contracts.records import Progress
+
+    for i, (lo, hi) in enumerate(split.ranges):
+        rows = sum(b.row_stop - b.row_start for b in blocks if b.index in committed and lo <= b.row_start < hi)
+        if rows:
+            store.update_shard_progress(job_id, i, Progress.of(rows, hi - lo, 0.0).model_dump(), computed_rows=rows)
 
 
 def live_workers(connection: Any, queue: Any, *, recent_s: float | None = None,

@@ -6,8 +6,9 @@ found, or the result failing verification) whose ``sparsity`` summary the caller
 Never a silently wrong sparse matrix: the entries are written only after ``u^T J`` of random ``u`` agreed with
 direct VJPs. The group holds ``rows``, ``cols`` (int64, row-major), ``values`` and ``indptr`` (CSR row
 pointer, ``n_of + 1``: rows ``a:b`` are entries ``indptr[a]:indptr[b]``), attributes ``format: "coo"`` and
-the dense ``shape`` ``[n_of, n_wrt]``; ``manifest.json`` last. A retried job starts over (the products live
-in memory); a cached pattern makes that cheap.
+the dense ``shape`` ``[n_of, n_wrt]``; ``manifest.json`` last. The compressed products are stored by blocks of
+colours as they come (the array ``compressed``, one commit marker a block): a retried job computes only the
+blocks not committed, and a sharded job (``worker.execution.sparse``) splits them between its shards.
 """
 
 from __future__ import annotations
@@ -59,13 +60,45 @@ def source_of(sparsity: Any) -> str:
     return str(sparsity)
 
 
-def compute_sparse_to_storage(ctx: RunContext, *, shared_cache: Any = None) -> dict[str, Any] | DenseInstead:
+def compute_sparse_to_storage(ctx: RunContext, *, shared_cache: Any = None,
+                              setup: SparseSetup | DenseInstead | None = None) -> dict[str, Any] | DenseInstead:
     """The sparse Jacobian of ``ctx.job`` (``of`` w.r.t. one input ``wrt``, option ``sparsity``), with the loaders,
     budget and callbacks of ``ctx`` (``worker.execution.RunContext``); ``ctx.previous_result(job_id)`` gives an
     earlier job's result group URL (``pattern_from``); ``shared_cache``: detected patterns shared by the workers
     (``patterns.SharedBlobs``). The compressed products are stored block by block as they come: a retried job
     computes only the colour blocks not committed (``compressed_products``). Raises ``EngineError``
-    (``InvalidRequest`` naming ``sparsity``)."""
+    (``InvalidRequest`` naming ``sparsity``). ``setup``: ``prepare_sparse``'s answer when the caller has it."""
+    setup = setup if setup is not None else prepare_sparse(ctx, shared_cache=shared_cache)
+    if isinstance(setup, DenseInstead):
+        return setup
+    t0 = time.monotonic()
+    products, reused = compressed_products(ctx, setup)
+    setup.run.timed("products", t0)
+    setup.summary["colour_blocks_reused"] = reused
+    return conclude_sparse(ctx, setup, products)
+
+
+@dataclass
+class SparseSetup:
+    """The sparse route of a request, ready to compute: the memory-planned operator, the pattern (CSR, sorted
+    indices), its colouring, ``plan.sparsity`` so far (``summary``) and the stage timings (``run``)."""
+
+    op: Any
+    pattern: Any
+    colouring: Any
+    summary: dict[str, Any]
+    run: SparseRun
+
+    @property
+    def stamp(self) -> str:
+        """The colouring's fingerprint, stored with the compressed products (a shard checks it)."""
+        return hashlib.sha256(np.ascontiguousarray(self.colouring.colours, np.int64).tobytes()).hexdigest()[:16]
+
+
+def prepare_sparse(ctx: RunContext, *, shared_cache: Any = None, check_host: bool = True) -> SparseSetup | DenseInstead:
+    """The pattern (cached per model and shapes) and its colouring, or a ``DenseInstead`` saying why the sparse
+    route does not pay. ``check_host=False`` (a shard, which holds only its own colours) skips the bound on the
+    host memory the products take. Raises ``EngineError`` (``InvalidRequest`` naming ``sparsity``)."""
     from worker.engine.matfree import build_operator
     from worker.engine.plan_cache import default_cache_dir
     from worker.engine.sparsity import compressed
@@ -100,69 +133,107 @@ def compute_sparse_to_storage(ctx: RunContext, *, shared_cache: Any = None) -> d
     if not sp_plan.sparse:
         return DenseInstead({**summary, "seconds": run.seconds})
     held = sp_plan.colouring.count * (n_of + n_wrt) * np.dtype(op.compute_dtype).itemsize
-    host = _host_free(probe)
+    host = _host_free(probe) if check_host else None
     if host is not None and held > host // 4:
         summary["fallback"] = (f"dense: the compressed products and seeds would hold {held >> 20} MiB of host "
                                f"memory, over a quarter of the {host >> 20} MiB free")
         return DenseInstead({**summary, "seconds": run.seconds})
-    pattern = compressed.sorted_pattern(pattern)
     if probe is not None:
         if budget_bytes is None and not getattr(probe, "is_gpu", False):
             budget_bytes = HOST_CALL_BYTES
         op.plan_memory(probe, budget_bytes)
+    return SparseSetup(op, compressed.sorted_pattern(pattern), sp_plan.colouring, summary, run)
+
+
+def conclude_sparse(ctx: RunContext, setup: SparseSetup, products: np.ndarray, *,
+                    plan: dict[str, Any] | None = None) -> dict[str, Any] | DenseInstead:
+    """Verify the compressed ``products`` (``(colours, n)``) against direct VJPs, then write the COO entries and
+    the manifest (returned; ``plan``: fields added to its plan, e.g. the shards); a ``DenseInstead`` when they
+    disagree (the pattern misses entries)."""
+    from worker.engine.sparsity import compressed
+
+    job, op, colouring, summary = ctx.job, setup.op, setup.colouring, setup.summary
     t0 = time.monotonic()
-    products, reused = compressed_products(ctx, op, sp_plan.colouring)
-    run.timed("products", t0)
-    t0 = time.monotonic()
-    ok, worst = compressed.verify(op, pattern, sp_plan.colouring, products)
-    run.timed("verify", t0)
-    summary.update(verified=ok, verify_difference=float(f"{worst:.3g}"), seconds=run.seconds,
-                   products=int(sp_plan.colouring.count), label=op.labels.get("jvp") or op.labels.get("vjp"),
-                   colour_blocks_reused=reused)
+    ok, worst = compressed.verify(op, setup.pattern, colouring, products)
+    setup.run.timed("verify", t0)
+    summary.update(verified=ok, verify_difference=float(f"{worst:.3g}"), seconds=setup.run.seconds,
+                   products=int(colouring.count), label=op.labels.get("jvp") or op.labels.get("vjp"))
     if not ok:
         log.warning("job %s: the sparse result failed verification (relative difference %.3g): computing densely",
                     job.id, worst)
         summary["fallback"] = (f"dense: u^T J from the sparse result differs from direct VJPs by {worst:.3g} of "
                                "its largest: the pattern misses entries")
         return DenseInstead(summary)
-    return _write(op, pattern, sp_plan.colouring, products, summary, results_url=job.results_url, job_id=job.id,
-                  created_at=ctx.created_at, manifest_fields={"model": ctx.model_ref(), **ctx.manifest_fields}, run=run)
+    return _write(op, setup.pattern, colouring, products, summary, results_url=job.results_url, job_id=job.id,
+                  created_at=ctx.created_at, manifest_fields={"model": ctx.model_ref(), **ctx.manifest_fields},
+                  run=setup.run, plan_fields=plan)
 
 
 COMPRESSED_ARRAY = "compressed"   # the compressed products while they are computed; replaced by the COO arrays
 
 
-def compressed_products(ctx: RunContext, op: Any, colouring: Any) -> tuple[np.ndarray, int]:
-    """The compressed products ``(colours, n)`` (``compressed.compute``), stored as they come into the array
-    ``compressed`` of the result group, one commit marker per storage block of colours, and read back whole.
-    A retried job (another worker, after a kill) computes only the blocks not committed; a stored array of another
-    colouring is started over. Returns the products and the number of blocks reused."""
+def compressed_products(ctx: RunContext, setup: SparseSetup) -> tuple[np.ndarray, int]:
+    """The compressed products ``(colours, n)`` of a job in one piece: stored as they come into the array
+    ``compressed`` of the result group (``compressed_writer``, ``compute_compressed``) and read back whole.
+    A retried job (another worker, after a kill) computes only the blocks not committed. Returns the products and
+    the number of blocks reused."""
+    writer = compressed_writer(ctx, setup)
+    reused = compute_compressed(ctx, setup, writer)
+    return read_compressed(ctx.job.results_url, ctx.job.id), reused
+
+
+def compressed_writer(ctx: RunContext, setup: SparseSetup, *, rows: tuple[int, int] | None = None,
+                      block_bytes: int | None = None, create: bool = True) -> Any:
+    """The ``ResultWriter`` of the array ``compressed``: one row per colour, one commit marker per storage block
+    of colours. ``create=True`` (the job, or the job splitting itself): resumes the blocks committed, a stored
+    array of another colouring is started over. ``create=False`` (a shard: ``rows``, the shard's colours): the
+    array the split created, which must hold this colouring (else ``ValueError``: never two colourings mixed)."""
     from contracts.layout import ResultLayout
-    from worker.engine.errors import Stopped
     from worker.storage import ResultWriter
 
-    job = ctx.job
+    job, op, colouring = ctx.job, setup.op, setup.colouring
     width = op.n_of if colouring.mode == "forward" else op.n_wrt
     dtype = np.dtype(op.compute_dtype)
     layout = ResultLayout((colouring.count, width), 0, 1, dtype.itemsize)
-    stamp = hashlib.sha256(np.ascontiguousarray(colouring.colours, np.int64).tobytes()).hexdigest()[:16]
-    attrs = {"kind": "jacobian", "stage": "compressed products", "mode": colouring.mode, "colouring": stamp}
-    _forget_other_colouring(job.results_url, job.id, stamp)
+    attrs = {"kind": "jacobian", "stage": "compressed products", "mode": colouring.mode, "colouring": setup.stamp}
+    if create:
+        _forget_other_colouring(job.results_url, job.id, setup.stamp)
     writer = ResultWriter(job.results_url, job.id, layout=layout, dtype=dtype, attrs=attrs, array=COMPRESSED_ARRAY,
-                          block_bytes=ctx.block_bytes)
-    reused = len(writer.blocks) - len(writer.pending_blocks())
-    log.info("job %s: sparse: %d of %d colour blocks reused from an earlier attempt, %d to compute", job.id, reused,
-             len(writer.blocks), len(writer.blocks) - reused,
-             extra={"event": "colour_blocks", "reused": reused, "blocks": len(writer.blocks)})
-    report = ctx.counter(colouring.count)
+                          block_bytes=block_bytes or ctx.block_bytes, rows=rows, create=create)
+    if not create:
+        stored = storage.open_group(writer.group_url, mode="r").attrs.get("colouring")
+        if stored != setup.stamp:
+            writer.abort()
+            raise ValueError(f"sparse shard: the stored compressed products are of colouring {stored}, this shard "
+                             f"coloured the pattern as {setup.stamp}; the pattern changed since the job was split "
+                             "(resubmit the job)")
+    return writer
+
+
+def compute_compressed(ctx: RunContext, setup: SparseSetup, writer: Any,
+                       ranges: list[tuple[int, int]] | None = None) -> int:
+    """Compute the colour blocks of ``writer`` not committed yet (or only ``ranges``, colours on block
+    boundaries) and close it; returns the number of its blocks an earlier attempt had committed."""
+    from worker.engine.errors import Stopped
+
+    job, op, colouring = ctx.job, setup.op, setup.colouring
+    dtype, width = writer.dtype, writer.layout.row_shape
+    mine = [b for b in writer.blocks if writer.rows[0] <= b.row_start and b.row_stop <= writer.rows[1]]
+    reused = len(mine) - len(writer.pending_blocks())
+    if ranges is None:
+        ranges = writer.pending_ranges()
+        log.info("job %s: sparse: %d of %d colour blocks reused from an earlier attempt, %d to compute", job.id,
+                 reused, len(mine), len(mine) - reused,
+                 extra={"event": "colour_blocks", "reused": reused, "blocks": len(mine)})
+    report = ctx.counter(writer.rows_total)
     done = {"colours": writer.rows_committed}
     report(done["colours"])
     kind = "jvp" if colouring.mode == "forward" else "vjp"
     seeds = colouring.seeds(op.compute_dtype)
     try:
-        for start, stop in writer.pending_ranges():
+        for start, stop in ranges:
             def keep(offset: int, rows: np.ndarray, start: int = start) -> None:
-                writer.write_rows(start + offset, np.asarray(rows, dtype).reshape(len(rows), width))
+                writer.write_rows(start + offset, np.asarray(rows, dtype).reshape((len(rows),) + width))
                 done["colours"] += len(rows)
                 report(done["colours"])
 
@@ -175,8 +246,13 @@ def compressed_products(ctx: RunContext, op: Any, colouring: Any) -> tuple[np.nd
     except BaseException:
         writer.abort()
         raise
-    group = storage.open_group(writer.group_url, mode="r")
-    return np.asarray(group[COMPRESSED_ARRAY][...]), reused
+    return reused
+
+
+def read_compressed(results_url: str, job_id: str) -> np.ndarray:
+    """The stored compressed products, whole: ``(colours, n)``."""
+    group = storage.open_group(storage.join(storage.normalize(job_url(results_url, job_id)), RESULT_GROUP), mode="r")
+    return np.asarray(group[COMPRESSED_ARRAY][...])
 
 
 def _forget_other_colouring(results_url: str, job_id: str, stamp: str) -> None:
@@ -285,9 +361,9 @@ def _pattern_from(job_id: str, shape: tuple[int, int], previous: Callable[[str],
 
 def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary: dict[str, Any], *,
            results_url: str, job_id: str, created_at: float | None, manifest_fields: dict[str, Any] | None,
-           run: SparseRun) -> dict[str, Any]:
+           run: SparseRun, plan_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """The COO arrays written chunk by chunk (entries computed per storage chunk), the group sealed, the
-    manifest last."""
+    manifest last; ``plan_fields`` added to the plan (a sharded job's ``shards``)."""
     import zarr
     from zarr.codecs import ZstdCodec
 
@@ -325,7 +401,7 @@ def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary:
     run.timed("write", t0)
     finished, created = iso_time(time.time()), iso_time(created_at or time.time())
     plan = {"kind": "jacobian", "strategy": "sparse", "mode": colouring.mode, "shards": 1,
-            "labels": dict(op.labels), "oom_retries": op.oom_retries, "sparsity": summary}
+            "labels": dict(op.labels), "oom_retries": op.oom_retries, "sparsity": summary, **(plan_fields or {})}
     result_group.seal(group_url, {"plan": jsonable(plan), "created_at": created, "finished_at": finished})
     manifest = {"id": job_id, "uri": group_url, "format": "coo", "array": "values", "kind": "jacobian",
                 "shape": [nnz], "dense_shape": [n_of, n_wrt], "dtype": str(dtype), "of": op.of,

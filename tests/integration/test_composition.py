@@ -99,6 +99,43 @@ def test_jacobian_over_an_input_and_a_variable(client, redis_conn, model_root, s
     assert record["plan"]["shards"] == (shards or 1)
 
 
+@pytest.mark.parametrize("batch,route", [(6, "sparse"), (3, "dense")])
+def test_sparsity_in_shards(client, redis_conn, model_root, monkeypatch, batch, route):
+    """``sparsity`` x shards: 6 independent examples make J 1/6 dense (the sparse route, 4 row colours, split on
+    colour blocks); 3 make it 1/3 dense, over what pays as COO (the dense route, split on rows)."""
+    import scipy.sparse as sp
+
+    from contracts.settings import get_settings
+
+    model = load_model(str(model_root / "f64"))
+    x = np.random.default_rng(5).normal(size=(batch, 5))
+    monkeypatch.setenv("JACOBIAN_BLOCK_BYTES", str(2 * 30 * 8))   # 2 colours (or 4 rows of 3 examples) a block
+    get_settings.cache_clear()
+    body = {**f64_body(of="y", wrt="x", sparsity="auto", shards=2),
+            "inputs": {"x": {"shape": [batch, 5], "dtype": "float64", "data": x.ravel().tolist()}}}
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 202, r.text
+    record = finished_job(client, redis_conn, r.json()["id"])
+    want = tape_jacobian(model, {"x": x}, "y", "x").reshape(batch * 4, batch * 5)
+    plan = record["plan"]
+    assert plan["shards"] == 2 and (plan["strategy"] == "sparse") == (route == "sparse"), plan
+    if route == "sparse":
+        assert plan["sparsity"]["verified"] is True and plan["sparsity"]["colors"] == 4, plan
+        group = zarr_group(record["result"]["uri"])
+        got = sp.coo_array((group["values"][...], (group["rows"][...], group["cols"][...])),
+                           shape=tuple(group.attrs["shape"])).toarray()
+    else:
+        assert plan["sparsity"]["fallback"].startswith("dense: the pattern holds 33.3%"), plan
+        got = zarr_group(record["result"]["uri"])["jacobian"][...].reshape(want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def zarr_group(uri: str):
+    import zarr
+
+    return zarr.open_group(uri, mode="r")
+
+
 def test_jacobian_forward_mode_over_several_sources(client, redis_conn, model_root):
     model = load_model(str(model_root / "f64"))
     r = client.post("/v1/jobs", json=f64_body(of="loss", wrt=["x", "variables/b"], kind="jacobian", mode="forward"))

@@ -5,9 +5,12 @@
 | --- | --- | --- |
 | dense, one ``wrt`` | ``dense.DenseExecutor`` (chunk planner, strategies) | storage blocks of rows |
 | dense, several ``wrt`` or ``variables/*`` | ``stacked.StackedExecutor`` (one-hot products) | storage blocks of rows |
-| dense with ``sparsity`` | ``sparse.SparseExecutor`` (colouring; dense fallback) | starts over; one piece |
+| dense with ``sparsity`` | ``sparse.SparseExecutor`` (colouring; dense fallback) | storage blocks of colours (1) |
 | products | ``matrix_free.ProductsExecutor`` | storage blocks of seeds |
 | spectral | ``matrix_free.SpectralExecutor`` | starts over; one piece |
+
+(1) of the compressed products (the array ``compressed``); the finalizer verifies and writes the COO entries. A
+pattern that does not pay is computed, resumed and sharded as the dense route's rows.
 """
 
 from __future__ import annotations

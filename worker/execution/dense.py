@@ -6,10 +6,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from contracts.records import Progress
 from worker.execution.base import Executor, ShardHost
 from worker.pipeline import compute_to_storage, manifest_fields_for
-from worker.sharding import ShardPlan, choose_shards, estimated_seconds, layout_for, split_rows
+from worker.sharding import ShardPlan, choose_shards, credit_committed, estimated_seconds, layout_for, split_rows
 from worker.storage import ResultWriter
 
 if TYPE_CHECKING:
@@ -70,8 +69,6 @@ class DenseExecutor(Executor):
     def split(self, ctx: RunContext, host: ShardHost) -> ShardPlan | None:
         """The shard plan (None: one piece). Automatic sharding sizes the job by the plan's measured rows/s;
         with none yet it computes the first storage blocks, one at a time, until it has one."""
-        if self.noted:   # a sparse job computed densely runs in one piece
-            return None
         problem, plan = self.problem(ctx)
         layout = layout_for(problem, ctx.block_bytes)
         shards = self._choose(ctx, host, problem, plan)
@@ -88,20 +85,15 @@ class DenseExecutor(Executor):
         job = ctx.job
         split = ShardPlan(shards=shards, ranges=[list(r) for r in split_rows(layout.blocks(), shards)],
                           rows_total=layout.rows_total, strategy=job.strategy or plan.strategy,
-                          block_bytes=layout.block_bytes, mode=problem.mode, engine_plan=plan.to_json())
+                          block_bytes=layout.block_bytes, mode=problem.mode, engine_plan=plan.to_json(),
+                          sparsity=self.noted.get("sparsity"))
         # Before any shard may write: the array (resuming the blocks an earlier attempt committed).
         writer = ResultWriter.for_problem(job.results_url, job.id, problem, block_bytes=layout.block_bytes)
         committed = {b.index for b in writer.blocks} - {b.index for b in writer.pending_blocks()}
         writer.close()
         stored = host.store_split(split)
         if stored.ranges == split.ranges and ctx.store is not None:
-            # Rows this planner computed before splitting (measuring the job's rows/s) count for their shard.
-            for i, (lo, hi) in enumerate(split.ranges):
-                rows = sum(b.row_stop - b.row_start for b in writer.blocks
-                           if b.index in committed and lo <= b.row_start < hi)
-                if rows:
-                    ctx.store.update_shard_progress(job.id, i, Progress.of(rows, hi - lo, 0.0).model_dump(),
-                                                    computed_rows=rows)
+            credit_committed(ctx.store, job.id, split, writer.blocks, committed)
         return stored
 
     def _choose(self, ctx: RunContext, host: ShardHost, problem: Problem, plan: Plan) -> int | None:

@@ -175,6 +175,16 @@ class Attempt:
             self.rq_job.retries_left = None
 
 
+def result_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The job record's ``result`` from a manifest: ``uri``, ``shape``, ``dtype``; a sparse (COO) result adds
+    ``format`` and its ``dense_shape``."""
+    result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
+    if manifest.get("format") == "coo":
+        result["format"] = "coo"
+        result["dense_shape"] = manifest["dense_shape"]
+    return result
+
+
 def remove_partial(results_url: str, job_id: str) -> None:
     """Remove the array and the commit markers of a failed job (its inputs stay); storage trouble is logged."""
     try:

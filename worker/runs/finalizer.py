@@ -10,7 +10,8 @@ from contracts.jobspec import JobStatus, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord
 from contracts.records import Progress
 from worker.execution import RunContext, executor_for
-from worker.runs.attempt import Attempt, remove_partial
+from worker.runs.attempt import remove_partial, result_of
+from worker.runs.computing import ComputingAttempt
 from worker.sharding import ShardPlan
 from worker.storage import ResultWriter
 
@@ -21,10 +22,11 @@ def _no_model() -> Any:
     raise RuntimeError("the finalizer loads no model and no inputs")
 
 
-class Finalizer(Attempt):
+class Finalizer(ComputingAttempt):
     """The last rq job of a sharded job: once every shard has finished or failed, it writes the
     manifest and marks the job succeeded if every storage block is committed; otherwise it marks the
-    job failed (naming the shard) and removes the partial result. It needs no model or TensorFlow."""
+    job failed (naming the shard) and removes the partial result. It needs no model or TensorFlow,
+    unless the executor's ``finish`` does (``finish_loads_model``: a sparse job's verification)."""
 
     what = "finalizer"
 
@@ -57,7 +59,7 @@ class Finalizer(Attempt):
     def _finish(self, record: JobRecord, split: ShardPlan | None) -> dict[str, Any]:
         job, store = self.job, self.store
         executor = executor_for(job)
-        writer = ResultWriter.open_existing(job.results_url, job.id, array=executor.array)
+        writer = ResultWriter.open_existing(job.results_url, job.id, array=executor.array_for(split))
         missing = writer.missing_blocks()
         if missing:
             writer.abort()
@@ -66,10 +68,14 @@ class Finalizer(Attempt):
         # The job's plan is the planner's (strategy, mode, shards); each shard's own run plan (chunk rows,
         # memory) is listed beside it, in shard order: no shard's plan stands for the others.
         plan = {**record.plan, "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
-        ctx = RunContext(job=job, load_inputs=_no_model, load_model=_no_model, created_at=record.created_at)
+        if executor.finish_loads_model:
+            ctx = self.run_context(created_at=record.created_at, on_progress=lambda p: None, on_plan=lambda p: None,
+                                   should_stop=lambda: store.should_stop(job.id))
+        else:
+            ctx = RunContext(job=job, load_inputs=_no_model, load_model=_no_model, created_at=record.created_at)
         manifest = executor.finish(ctx, writer, plan)
         plan = manifest.get("plan") or plan   # the products summed over the shards, for a product job
-        result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
+        result = result_of(manifest)
         now = time.time()
         rows_total = split.rows_total if split and split.rows_total else writer.layout.rows_total
         computed = sum(p.get("rows_computed", 0) for p in shards.values())

@@ -10,6 +10,7 @@ from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, merge_shard_progress
 from worker.execution import executor_for
 from worker.pipeline import at_least
+from worker.runs.attempt import result_of
 from worker.runs.computing import ComputingAttempt
 from worker.sharding import ShardPlan, enqueue_shards, live_workers
 
@@ -69,10 +70,7 @@ class JobRun(ComputingAttempt):
 
     def _succeed(self, manifest: dict[str, Any]) -> dict[str, Any]:
         job, store = self.job, self.store
-        result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
-        if manifest.get("format") == "coo":
-            result["format"] = "coo"
-            result["dense_shape"] = manifest["dense_shape"]
+        result = result_of(manifest)
         final_plan = {**(manifest.get("plan") or {}), "shards": 1}
         if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, plan=final_plan):
             return self._ended_meanwhile()
@@ -109,8 +107,9 @@ class JobRun(ComputingAttempt):
         """Enqueue the shards and the finalizer that are not in rq yet; the job stays ``running``."""
         job = self.job
         enqueue_shards(job, plan, queue=self._queue(), settings=self.settings, timeout_s=self.timeout_s)
-        self.store.set_fields(job.id, plan={"shards": plan.shards, "strategy": plan.strategy, "mode": plan.mode},
-                              progress=merge_shard_progress(plan.to_json(), {}))
+        noted = {"sparsity": plan.sparsity} if plan.sparsity else {}
+        self.store.set_fields(job.id, plan={"shards": plan.shards, "strategy": plan.strategy, "mode": plan.mode,
+                                            **noted}, progress=merge_shard_progress(plan.to_json(), {}))
         return {"id": job.id, "status": JobStatus.running.value, "shards": plan.shards}
 
     # -- outcomes ---------------------------------------------------------------------------------
