@@ -21,8 +21,10 @@ How a product is computed (a *label*, ``route/strategy``):
   it otherwise), ``loop`` (a compiled one-seed function per seed), ``eager`` (no ``tf.function``).
 
 The first call of a kind tries the labels in that order on its seeds plus one random probe seed,
-whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``); the first label
-that runs and agrees is kept for the operator. Compiled functions are cached on the loaded model
+whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``; a JVP row ``J t`` by
+the dot-product test ``u . J t = (J^T u) . t`` against one eager VJP, a single backward pass); the first label
+that runs and agrees is kept for the operator (and, through ``worker.execution.operators``, for later jobs
+and processes). Compiled functions are cached on the loaded model
 (``model.compiled``). ``Operator.counts`` counts the products: per kind, and ``checks`` for the probe
 rows and reference products spent choosing. Results are cast to the wider dtype of ``of`` and ``wrt``
 (``contracts.rules.result_dtype``), or ``output_dtype``.
@@ -259,7 +261,7 @@ class Operator:
         its probe row agrees with the eager reverse-mode reference; that label is kept."""
         probe = np.random.default_rng(PROBE_SEED).standard_normal((1, seeds.shape[1])).astype(self.compute_dtype)
         if kind not in self._references:   # kept: a first call that runs out of memory comes back here, halved
-            self._references[kind] = self._reference(kind, probe)
+            self._references[kind] = self._adjoint(probe) if kind == "jvp" else self._reference(kind, probe)
         reference = self._references[kind]
         batch = np.concatenate([seeds, probe])
         for label in self.candidates(kind):
@@ -272,7 +274,7 @@ class Operator:
                     raise
                 self.failures[label] = error_summary(err)
                 continue
-            if reference is not None and not rows_agree(rows[-1], reference):
+            if reference is not None and not _agrees(rows[-1], probe[0], reference):
                 self.failures[label] = "disagrees with the eager reverse-mode reference"
                 self.counts["checks"] += len(batch)
                 continue
@@ -296,6 +298,23 @@ class Operator:
             return None
         self.counts["checks"] += 1
         return row
+
+    def _adjoint(self, tangent: np.ndarray) -> Any:
+        """The reference of a JVP probe row ``J t``: one eager reverse-mode VJP ``w = J^T u`` of a random ``u``,
+        so that ``u . J t`` must equal ``w . t`` (a single backward pass; an eager JVP of a large model costs
+        a derivative of a derivative, 5x as long). The eager JVP row when ``w`` is not finite."""
+        u = np.random.default_rng(PROBE_SEED + 1).standard_normal((1, self.n_of)).astype(self.compute_dtype)
+        try:
+            w = self._run("vjp", "reverse/eager", u)[0]
+        except EngineError:
+            raise
+        except Exception as err:  # noqa: BLE001 - as _reference: no adjoint, the JVP's own eager row
+            self.failures["reference"] = error_summary(err)
+            w = None
+        if w is None or not np.isfinite(w).all():
+            return self._reference("jvp", tangent)
+        self.counts["checks"] += 1
+        return Adjoint(u[0], w)
 
     def _run(self, kind: str, label: str, seeds: np.ndarray) -> np.ndarray:
         """``kind`` products of ``seeds`` by ``label``: one call (``vectorized``) or one per seed."""
@@ -326,6 +345,28 @@ class Operator:
                                input_signature=[tf.TensorSpec([None, None], self.compute_dtype), spec])
 
         return self.model.compiled.get(self.key(kind, label), build)
+
+
+@dataclass(frozen=True)
+class Adjoint:
+    """A JVP probe's reference: ``w = J^T u`` for a random ``u`` (``Operator._adjoint``)."""
+
+    u: np.ndarray
+    w: np.ndarray
+
+
+def _agrees(row: np.ndarray, seed: np.ndarray, reference: Any) -> bool:
+    """A probe row against its reference: equal rows (``rows_agree``), or for an ``Adjoint`` the dot-product
+    test ``u . row == w . seed`` within ``rows_agree``'s tolerance of the products' Cauchy-Schwarz bound."""
+    if not isinstance(reference, Adjoint):
+        return rows_agree(row, reference)
+    row64, seed64 = np.asarray(row, np.float64), np.asarray(seed, np.float64)
+    if not np.isfinite(row64).all():
+        return False
+    u, w = reference.u.astype(np.float64), reference.w.astype(np.float64)
+    bound = max(float(np.linalg.norm(u) * np.linalg.norm(row64)), float(np.linalg.norm(w) * np.linalg.norm(seed64)))
+    tol = 1e-3 if np.asarray(row).dtype.itemsize <= 2 else 1e-4
+    return abs(float(u @ row64) - float(w @ seed64)) <= tol * max(bound, 1e-300)
 
 
 def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = None,
