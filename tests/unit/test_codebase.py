@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -32,3 +33,73 @@ def test_no_module_of_the_service_is_over_about_400_lines():
     assert sizes, "no modules found"
     too_long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not too_long, f"split these modules by job: {too_long}"
+
+
+# -- the kind registry: kind names compared only there and in the executors -----------------------------------
+
+KIND_SCOPE = ("app", "worker", "contracts", "jacobian")
+KIND_ALLOWED = ("contracts/kinds.py", "worker/execution/")
+
+
+def _kind_names() -> frozenset[str]:
+    sys.path.insert(0, str(REPO))
+    from contracts.kinds import KINDS
+
+    return frozenset(KINDS)
+
+
+def _names_a_kind(node: ast.AST, kinds: frozenset[str]) -> str | None:
+    """The kind ``node`` spells: a string literal, ``Kind.<name>`` (or its ``.value``), or one of those inside a
+    tuple, list or set literal (``kind in ("jvp", "vjp")``); None for anything else."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return next((found for e in node.elts if (found := _names_a_kind(e, kinds))), None)
+    if isinstance(node, ast.Attribute) and node.attr == "value":
+        node = node.value
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in kinds:
+        return repr(node.value)
+    if isinstance(node, ast.Attribute) and node.attr in kinds:
+        owner = node.value
+        if (isinstance(owner, ast.Name) and owner.id == "Kind") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "Kind"):
+            return f"Kind.{node.attr}"
+    return None
+
+
+def kind_comparisons(source: str, kinds: frozenset[str]) -> list[tuple[int, str]]:
+    """``(line, code)`` of each comparison (``==``, ``!=``, ``in``, ``not in``, ``is``; a ``match`` case) of
+    something with a kind name in ``source``. A kind name as a dict key, an argument or a default is none."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            if any(_names_a_kind(side, kinds) for side in (node.left, *node.comparators)):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.MatchValue) and _names_a_kind(node.value, kinds):
+            found.append((node.lineno, f"case {ast.unparse(node.value)}"))
+    return sorted(found)
+
+
+def test_the_kind_comparison_finder_finds_them():
+    kinds = frozenset({"jacobian", "svd", "jvp", "vjp", "hessian"})
+    compared = ('kind == "svd"\nif k in ("jvp", "vjp"): pass\nx = a if options.kind != Kind.hessian else b\n'
+                'ok = "jacobian" not in kinds\ny = jobspec.Kind.svd.value == kind\n'
+                'match kind:\n    case "jvp":\n        pass\n')
+    assert [line for line, _ in kind_comparisons(compared, kinds)] == [1, 2, 3, 4, 5, 7]
+    asked = ('F = {"svd": f, "jvp": g}\ndef run(kind="jacobian"): return F["svd"]\nop.apply("vjp", s)\n'
+             'if spec.seeds == "of" and kind in PRODUCT_KINDS: pass\nKind.jvp\n')
+    assert kind_comparisons(asked, kinds) == []
+
+
+def test_kind_names_are_compared_only_in_the_registry_and_the_executors():
+    """Every other module asks ``contracts.kinds`` (``kind_spec(name).<attribute>``) instead of comparing names."""
+    kinds = _kind_names()
+    assert {"jacobian", "hessian", "jvp", "svd"} <= kinds
+    offenders = []
+    for package in KIND_SCOPE:
+        for path in sorted((REPO / package).rglob("*.py")):
+            name = path.relative_to(REPO).as_posix()
+            if name.startswith(KIND_ALLOWED):
+                continue
+            offenders += [f"{name}:{line}: {code}" for line, code in kind_comparisons(path.read_text(), kinds)]
+    assert not offenders, ("compare kind names only in contracts/kinds.py and worker/execution/; ask the registry "
+                           "(contracts.kinds.kind_spec) instead:\n" + "\n".join(offenders))
+

@@ -88,7 +88,7 @@ class ChunkRun:
         self.usable = SAFETY * self.limit
         # XLA's memory is invisible to TensorFlow's allocator statistics on the CPU: no XLA under a budget there.
         self.try_xla = try_xla and (budget is None or getattr(probe, "is_gpu", False))
-        self.batch = problem.of_shape[0] if problem.kind == "batch_jacobian" and problem.of_shape else None
+        self.batch = problem.of_shape[0] if problem.spec.batch_axis and problem.of_shape else None
         self.cal: dict[str, Calibration] = {}
         self.rows_run = 0
         self.pending = problem.rows_total

@@ -38,6 +38,7 @@ import numpy as np
 
 from contracts import rules
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
+from contracts.kinds import kind_spec
 from worker.engine import matfree_rules, pfor_patches
 from worker.engine.chunk_run import rows_agree
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
@@ -47,7 +48,6 @@ from worker.engine.problem import _convert_inputs, _described, _probe_shape, _ru
 from worker.engine.products import body
 from worker.engine.wrt_axis import WrtAxis, wrt_axis
 
-ROUTES = {"jvp": ("forward", "reverse"), "vjp": ("reverse",), "hvp": ("forward", "reverse")}
 FIRST_SEEDS = 8          # the first call of a kind whose seeds per call are planned from memory: its peak measured
 PROBE_SEED = 20240611   # the random probe row of a kind's first call
 
@@ -175,7 +175,7 @@ class Operator:
         seeds = np.ascontiguousarray(seeds, dtype=self.compute_dtype)
         total = len(seeds)
         if total == 0:
-            return np.empty((0, self.n_of if kind == "jvp" else self.n_wrt), self.compute_dtype)
+            return np.empty((0, self.n_of if kind_spec(kind).product_axes == "of" else self.n_wrt), self.compute_dtype)
         planning = chunk_size is None and self.probe is not None and total > FIRST_SEEDS
         step = max(1, min(chunk_size or self.planned.get(kind) or (FIRST_SEEDS if planning else total), total))
         out = np.empty(0)
@@ -232,12 +232,12 @@ class Operator:
 
     def candidates(self, kind: str) -> list[str]:
         """The labels a kind's first call tries, in order (see the module docstring)."""
-        asked = self.routes.get(kind, "auto")
-        if asked not in ("auto", *ROUTES[kind]):
+        asked, routes = self.routes.get(kind, "auto"), kind_spec(kind).routes
+        if asked not in ("auto", *routes):
             raise InvalidRequest(f"mode: route {asked!r} cannot compute {kind}; use one of 'auto', "
-                                 + ", ".join(repr(r) for r in ROUTES[kind]), field="mode")
+                                 + ", ".join(repr(r) for r in routes), field="mode")
         out = []
-        if "forward" in ROUTES[kind] and (asked == "forward" or (asked == "auto" and not self.axis.variables)):
+        if "forward" in routes and (asked == "forward" or (asked == "auto" and not self.axis.variables)):
             out.append("forward/vectorized")
         if asked != "forward":
             out += ["reverse/vectorized", "reverse/loop", "reverse/eager"]
@@ -301,7 +301,7 @@ class Operator:
     def key(self, kind: str, label: str) -> ProductKey:
         inputs = tuple(sorted((n, t.dtype.name) for n, t in self.inputs.items()))
         return ProductKey(self.of, self.axis.names, self.axis.optional, kind, label,
-                          self.reduce if kind == "hvp" else None, self.compute_dtype, inputs)
+                          self.reduce if kind_spec(kind).scalar_of else None, self.compute_dtype, inputs)
 
     def _compiled(self, tf: Any, kind: str, label: str) -> Any:
         pfor_patches.install()
@@ -350,7 +350,8 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
         raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
     k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)
-    row_shape = op.of_shape if kind == "jvp" else op.axis.shape
+    along_of = kind_spec(kind).product_axes == "of"
+    row_shape = op.of_shape if along_of else op.axis.shape
 
     def chunk(start: int, rows: np.ndarray) -> None:
         if on_chunk is not None:
@@ -361,7 +362,7 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
     streamed = on_chunk is not None   # the caller keeps the chunks: none are held here
     product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk,
                                 keep=not streamed)
-    arrays = {} if streamed else {"products": product if kind == "jvp" else op.axis.unflatten(product)}
+    arrays = {} if streamed else {"products": product if along_of else op.axis.unflatten(product)}
     return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays=arrays,
                          products={n: op.counts[n] - before[n] for n in op.counts}, iterations=1,
                          attrs={"seeds": k})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from contracts.kinds import kind_spec
 from worker.engine.problem import unconnected
 
 if TYPE_CHECKING:
@@ -43,12 +44,14 @@ def _grads(tf: Any, op: Operator, tape: Any, y: Any, targets: list[Any], cotange
 
 def row_fn(tf: Any, op: Operator, kind: str, route: str, inputs: dict[str, Any]) -> Callable[[Any], Any]:
     """``one(seed) -> row`` (flat, compute dtype) against ``inputs``; reverse routes record the model's
-    forward pass here, once, and differentiate it per seed."""
+    forward pass here, once, and differentiate it per seed. The kind's spec says which product: seeds along
+    ``of`` (cotangents) give ``v^T J``, a kind that differentiates twice ``H v``, the others ``J v``."""
+    spec = kind_spec(kind)
     fn, of, dtype = op.model.fn, op.of, op.compute_dtype
     targets = op.axis.targets(op.model, inputs)
     zero = tf.UnconnectedGradients.ZERO
 
-    if kind == "vjp":
+    if spec.seeds == "of":   # v^T J
         tape = tf.GradientTape()  # not persistent: see strategies._row_fn
         with tape:
             tape.watch(targets)
@@ -56,14 +59,14 @@ def row_fn(tf: Any, op: Operator, kind: str, route: str, inputs: dict[str, Any])
         return lambda u: _flat(tf, _grads(tf, op, tape, y, targets, tf.cast(tf.reshape(u, tf.shape(y)), y.dtype)),
                                dtype)
 
-    if kind == "jvp" and route == "forward":
+    if not spec.scalar_of and route == "forward":   # J v
         def jvp(t: Any) -> Any:
             with tf.autodiff.ForwardAccumulator(targets, _pieces(tf, t, targets)) as acc:
                 y = fn(**inputs)[of]
             return tf.reshape(tf.cast(acc.jvp(y, unconnected_gradients=zero), dtype), [-1])
         return jvp
 
-    if kind == "jvp":  # J t = d/du <J^T u, t>: the VJP is linear in u, its derivative along t is J t
+    if not spec.scalar_of:  # J t = d/du <J^T u, t>: the VJP is linear in u, its derivative along t is J t
         outer = tf.GradientTape()
         with outer:
             with tf.GradientTape() as inner:
