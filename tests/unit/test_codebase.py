@@ -103,3 +103,42 @@ def test_kind_names_are_compared_only_in_the_registry_and_the_executors():
     assert not offenders, ("compare kind names only in contracts/kinds.py and worker/execution/; ask the registry "
                            "(contracts.kinds.kind_spec) instead:\n" + "\n".join(offenders))
 
+
+# -- the job path: no function over 12 parameters -------------------------------------------------------------
+
+MAX_PARAMETERS = 12
+JOB_PATH = ("worker", "contracts", "app/submit.py", "app/checks.py")
+
+
+def parameter_counts(source: str) -> list[tuple[int, str, int]]:
+    """``(line, name, parameters)`` of every function and lambda in ``source``: positional and keyword-only
+    parameters (a leading ``self`` or ``cls`` aside), ``*args`` and ``**kwargs`` one each."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        a = node.args
+        names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+        if names and names[0] in ("self", "cls") and (a.posonlyargs or a.args):
+            names = names[1:]
+        count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+        out.append((node.lineno, getattr(node, "name", "<lambda>"), count))
+    return out
+
+
+def test_the_parameter_count_counts_every_kind_of_parameter():
+    counts = parameter_counts("class C:\n    def m(self, a, /, b, *args, c, d=1, **kw): pass\n"
+                              "def f(x, y=2): pass\ng = lambda *a: a\n")
+    assert sorted(counts) == [(2, "m", 6), (3, "f", 2), (4, "<lambda>", 1)]
+
+
+def test_no_function_in_the_job_path_takes_more_than_12_parameters():
+    """Past a dozen parameters a function wants its options grouped (a small frozen dataclass)."""
+    paths = []
+    for entry in JOB_PATH:
+        target = REPO / entry
+        paths += sorted(target.rglob("*.py")) if target.is_dir() else [target]
+    assert len(paths) > 20
+    too_many = [f"{p.relative_to(REPO).as_posix()}:{line}: {name} takes {n}"
+                for p in paths for line, name, n in parameter_counts(p.read_text()) if n > MAX_PARAMETERS]
+    assert not too_many, f"group these parameters (at most {MAX_PARAMETERS}):\n" + "\n".join(too_many)
