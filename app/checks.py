@@ -24,7 +24,6 @@ from contracts.jobspec import (
     SEEDS_MEMBER,
     JobOptions,
     JobStatus,
-    Kind,
     ModelRef,
     PatternFrom,
 )
@@ -131,9 +130,10 @@ def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, ar
     wrt_shape = wrt_spec.shape if wrt.startswith(VARIABLE_PREFIX) else arrays[wrt].shape
     if wrt_shape is None or any(d is None for d in wrt_shape):
         return
-    if options.kind == Kind.hessian:
+    spec = kind_spec(options.kind)   # a dense kind: a Hessian is wrt by wrt, a batch Jacobian per example
+    if spec.scalar_of:
         elements = math.prod(wrt_shape) ** 2
-    elif options.kind == Kind.batch_jacobian:
+    elif spec.batch_axis:
         elements = wrt_shape[0] * math.prod(of_shape[1:]) * math.prod(wrt_shape[1:])
     else:
         elements = math.prod(of_shape) * math.prod(wrt_shape)
@@ -193,6 +193,7 @@ def check_sources(options: JobOptions, sig: Signature, of: str, wrt: str | list[
     names = [VARIABLE_PREFIX + n for n, v in variables.items() if getattr(v, "trainable", None) is not False] \
         if wrt == "variables/*" else list(wrt)
     of_spec = sig.outputs[of]
+    kind = kind_spec(options.kind)   # a dense kind: a Hessian is wrt by wrt, a batch Jacobian per example
     total, dtype = 0, of_spec.dtype
     for name in names:
         spec = variables[name[len(VARIABLE_PREFIX):]] if name.startswith(VARIABLE_PREFIX) else None
@@ -202,7 +203,7 @@ def check_sources(options: JobOptions, sig: Signature, of: str, wrt: str | list[
                              reduce=options.reduce, outputs=sig.outputs)
         if shape is None or any(d is None for d in shape):
             return   # a size only the worker can know
-        per = math.prod(shape[1:]) if options.kind == Kind.batch_jacobian else math.prod(shape)
+        per = math.prod(shape[1:]) if kind.batch_axis else math.prod(shape)
         total += per
         dtype = rules.result_dtype(dtype, spec.dtype if spec is not None else described[name].dtype.name)
     if of_spec.shape is None or any(d is None for d in of_spec.shape[1:]):
@@ -210,7 +211,7 @@ def check_sources(options: JobOptions, sig: Signature, of: str, wrt: str | list[
     batch = {described[n].shape[0] for n, s in sig.inputs.items() if s.shape and s.shape[0] is None and n in described}
     lead = of_spec.shape[0] if of_spec.shape and of_spec.shape[0] is not None else (next(iter(batch)) if batch else 1)
     of_elements = math.prod((lead,) + tuple(of_spec.shape[1:])) if of_spec.shape else 1
-    elements = total * total if options.kind == Kind.hessian else of_elements * total
+    elements = total * total if kind.scalar_of else of_elements * total
     size = elements * np.dtype(rules.result_dtype(dtype, dtype, options.output_dtype)).itemsize
     if size > max_result_bytes:
         raise InvalidRequest(f"wrt: the result over these {len(names)} sources would be {size} bytes, over the "

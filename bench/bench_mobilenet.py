@@ -86,7 +86,7 @@ def main() -> None:
     import tensorflow as tf
 
     from tests import models
-    from worker.engine import build_problem, load_model, run_problem
+    from worker.engine import RunOptions, build_problem, load_model, run_problem
 
     keras_model = models.mobilenet_v3_small_keras()
     path = models.mobilenet_v3_small(Path(tempfile.mkdtemp()) / "mnv3", keras_model)
@@ -135,8 +135,8 @@ def main() -> None:
         # The same job with memory_budget_bytes at half the peer's measured peak.
         budget = peak_tape // 2
         t0 = time.perf_counter()
-        bounded, peak_b = tf_peak_bytes(lambda: run_problem(problem, on_chunk=keep, memory_budget_bytes=budget,
-                                                            plan=plan))
+        bounded, peak_b = tf_peak_bytes(lambda: run_problem(problem, options=RunOptions(memory_budget_bytes=budget),
+                                                            on_chunk=keep, plan=plan))
         t_b = time.perf_counter() - t0
         peak_b = max(peak_b, bounded.peak_bytes)
         assert_same(sink.reshape(ROWS, -1), ours, "budgeted run vs default run")

@@ -89,15 +89,15 @@ def calibrate_batch(model_path: str, target_s: float, budget: int) -> tuple[int,
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    from worker.engine import build_problem, load_model, run_problem
+    from worker.engine import RunOptions, build_problem, load_model, run_problem
 
     batch0 = CALIBRATION_BATCH
     model = load_model(model_path)
     x = np.random.default_rng(0).standard_normal((batch0, SIZES[0])).astype("float32")
     problem = build_problem(model, {"x": x}, kind=KIND)
-    run_problem(problem, memory_budget_bytes=budget)  # trial, compile
+    run_problem(problem, options=RunOptions(memory_budget_bytes=budget))  # trial, compile
     t0 = time.perf_counter()
-    run_problem(problem, memory_budget_bytes=budget)
+    run_problem(problem, options=RunOptions(memory_budget_bytes=budget))
     seconds = time.perf_counter() - t0
     return max(1, int(round(target_s / seconds * batch0))), seconds
 

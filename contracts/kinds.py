@@ -21,25 +21,48 @@ class Family(str, Enum):
 
 
 @dataclass(frozen=True)
+class Spectrum:
+    """A spectral kind's method and words. ``algorithm``: the method of ``worker.engine.spectra`` that computes
+    it. ``counted``: what ``rank`` counts, in messages ("" when the kind takes no rank). For ``preview.png``:
+    ``title`` (with ``{of}`` and ``{wrt}``), ``value`` (one value's name: the y label, or the symbol of a 0-d
+    value), ``order`` (the x label), ``residual`` (the footer: what the residuals measure) and ``log_scale``
+    (a log axis when the values are positive and span decades)."""
+
+    algorithm: str
+    title: str
+    value: str
+    counted: str = ""
+    order: str = ""
+    residual: str = ""
+    log_scale: bool = False
+
+
+@dataclass(frozen=True)
 class KindSpec:
     """One kind: how it is asked for and what it stores.
 
-    ``arrays``: the result group's arrays, the main one first. ``seeds``: the trailing shape of the seeds
-    (``"wrt"``: tangents, ``"of"``: cotangents), None when the kind takes none. ``scalar_of``: ``of`` must
-    be a scalar (or ``reduce: "sum"``), as for a Hessian. ``fields``: the kind's own request fields, and
-    ``required`` those of them that must be given. ``several_wrt``: ``wrt`` may be a list or
+    ``arrays``: the result group's arrays, the main one first; ``dims``: each one's axes, in words that
+    ``contracts.layout.array_dimension_names`` spells out (``"of"``, ``"wrt"``: that tensor's axes, without
+    the batch axis when ``batch_axis``; ``"wrt2"``: a Hessian's second copy of ``wrt``'s; any other word:
+    one axis of that name). ``seeds``: the trailing shape of the seeds (``"wrt"``: tangents, ``"of"``:
+    cotangents), None when the kind takes none. ``scalar_of``: ``of`` must be a scalar (or ``reduce: "sum"``):
+    the kind differentiates twice (H, its products or its spectrum). ``fields``: the kind's own request
+    fields, and ``required`` those of them that must be given. ``several_wrt``: ``wrt`` may be a list or
     ``"variables/*"``; ``batch_axis``: the result has a per-example first axis (variables cannot be wrt).
     ``sparsity``: the ``sparsity`` option applies. ``shards``/``resume``: the unit a job splits into and
     resumes from (``"blocks"``: storage blocks of rows or seeds; None: no shards / starts over);
     ``sparse_unit``: the same for the ``sparsity`` route (``"colours"``: storage blocks of the compressed
     products, one row a colour; a pattern that does not pay falls back to ``shards``). ``preview``: how
     ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``), with ``symbol`` and ``product_axes``
-    for the products.
+    (the tensor a product row is shaped like) for the products. ``routes``: the modes a product kind can be
+    computed by (``"forward"``: forward mode, tried first where it applies; ``"reverse"``). ``spectrum``: a
+    spectral kind's method and words (``Spectrum``).
     """
 
     name: str
     family: Family
     arrays: tuple[str, ...]
+    dims: tuple[tuple[str, ...], ...]
     summary: str
     seeds: str | None = None
     scalar_of: bool = False
@@ -54,6 +77,8 @@ class KindSpec:
     preview: str = "heatmap"
     symbol: str = ""          # the product's symbol in previews ("J v"), for the product kinds
     product_axes: str = ""    # the products' trailing axes: "of" or "wrt", for the product kinds
+    routes: tuple[str, ...] = ()
+    spectrum: Spectrum | None = None
 
     @property
     def main_array(self) -> str:
@@ -64,27 +89,46 @@ class KindSpec:
         """Computed from products, never as the matrix (products and spectra)."""
         return self.family is not Family.dense
 
+    @property
+    def whole_matrix(self) -> str:
+        """The dense kind that computes the whole matrix of this kind's products or spectrum (``hessian`` for
+        a kind that differentiates twice, ``jacobian`` otherwise)."""
+        return kinds_where(family=Family.dense, scalar_of=self.scalar_of, batch_axis=False)[0]
+
+    def dims_of(self, array: str) -> tuple[str, ...]:
+        """The axes of ``array`` (one of ``arrays``) in the words of ``dims``."""
+        return self.dims[self.arrays.index(array)]
+
+
+_SVD = Spectrum("subspace_iteration", "Singular values of ∂{of}/∂{wrt}", "singular value", counted="singular values",
+                order="k (largest first)", residual="residual ||J v - s u|| / s", log_scale=True)
+_EIG = Spectrum("lanczos", "Eigenvalues of the Hessian of {of} w.r.t. {wrt}", "eigenvalue", counted="eigenpairs",
+                order="k (largest magnitude first)", residual="residual ||H v - λ v||")
+_TRACE = Spectrum("trace_estimate", "Trace of the Hessian of {of} w.r.t. {wrt}", "tr(H)")
 
 _SPECS = (
-    KindSpec("jacobian", Family.dense, ("jacobian",), "d of / d wrt, shape of.shape + wrt.shape",
+    KindSpec("jacobian", Family.dense, ("jacobian",), (("of", "wrt"),), "d of / d wrt, shape of.shape + wrt.shape",
              sparsity=True, sparse_unit="colours"),
-    KindSpec("batch_jacobian", Family.dense, ("jacobian",), "per example, shape (B,) + of.shape[1:] + wrt.shape[1:]",
-             batch_axis=True),
-    KindSpec("hessian", Family.dense, ("jacobian",), "d2 of / d wrt2 of a scalar of, shape wrt.shape + wrt.shape",
-             scalar_of=True),
-    KindSpec("jvp", Family.products, ("products",), "J v for each seed v: (k,) + of.shape", seeds="wrt",
-             preview="products", symbol="J v", product_axes="of"),
-    KindSpec("vjp", Family.products, ("products",), "v^T J for each seed v: (k,) + wrt.shape", seeds="of",
-             preview="products", symbol="vᵀ J", product_axes="wrt"),
-    KindSpec("hvp", Family.products, ("products",), "H v for each seed v: (k,) + wrt.shape", seeds="wrt",
-             scalar_of=True, preview="products", symbol="H v", product_axes="wrt"),
-    KindSpec("svd", Family.spectral, ("S", "U", "V"), "the rank largest singular values of J and their vectors",
-             fields=("rank", "tol"), required=("rank",), shards=None, resume=None, preview="spectrum"),
-    KindSpec("hessian_eig", Family.spectral, ("eigenvalues", "eigenvectors"),
+    KindSpec("batch_jacobian", Family.dense, ("jacobian",), (("batch", "of", "wrt"),),
+             "per example, shape (B,) + of.shape[1:] + wrt.shape[1:]", batch_axis=True),
+    KindSpec("hessian", Family.dense, ("jacobian",), (("wrt", "wrt2"),),
+             "d2 of / d wrt2 of a scalar of, shape wrt.shape + wrt.shape", scalar_of=True),
+    KindSpec("jvp", Family.products, ("products",), (("seed", "of"),), "J v for each seed v: (k,) + of.shape",
+             seeds="wrt", preview="products", symbol="J v", product_axes="of", routes=("forward", "reverse")),
+    KindSpec("vjp", Family.products, ("products",), (("seed", "wrt"),), "v^T J for each seed v: (k,) + wrt.shape",
+             seeds="of", preview="products", symbol="vᵀ J", product_axes="wrt", routes=("reverse",)),
+    KindSpec("hvp", Family.products, ("products",), (("seed", "wrt"),), "H v for each seed v: (k,) + wrt.shape",
+             seeds="wrt", scalar_of=True, preview="products", symbol="H v", product_axes="wrt",
+             routes=("forward", "reverse")),
+    KindSpec("svd", Family.spectral, ("S", "U", "V"), (("k",), ("k", "of"), ("k", "wrt")),
+             "the rank largest singular values of J and their vectors", fields=("rank", "tol"), required=("rank",),
+             shards=None, resume=None, preview="spectrum", spectrum=_SVD),
+    KindSpec("hessian_eig", Family.spectral, ("eigenvalues", "eigenvectors"), (("k",), ("k", "wrt")),
              "the rank eigenpairs of H of largest magnitude", scalar_of=True, fields=("rank", "tol"),
-             required=("rank",), shards=None, resume=None, preview="spectrum"),
-    KindSpec("hessian_trace", Family.spectral, ("trace", "stderr"), "tr(H) by Hutch++/Hutchinson with its stderr",
-             scalar_of=True, fields=("samples",), shards=None, resume=None, preview="spectrum"),
+             required=("rank",), shards=None, resume=None, preview="spectrum", spectrum=_EIG),
+    KindSpec("hessian_trace", Family.spectral, ("trace", "stderr"), ((), ()),
+             "tr(H) by Hutch++/Hutchinson with its stderr", scalar_of=True, fields=("samples",), shards=None,
+             resume=None, preview="spectrum", spectrum=_TRACE),
 )
 
 KINDS: dict[str, KindSpec] = {s.name: s for s in _SPECS}

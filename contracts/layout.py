@@ -48,14 +48,20 @@ def dimension_names(kind: str, of_shape: tuple[int, ...], wrt_shape: tuple[int, 
     Jacobian ``of.shape + wrt.shape``); ``batch`` for a batch Jacobian's first axis (its ``of`` and
     ``wrt`` axes keep their input numbering, ``of_1``, ``wrt_1``, ...); a Hessian's second copy of the
     ``wrt`` axes is ``wrt2_0, ...``."""
-    of_names = [f"of_{i}" for i in range(len(of_shape))]
-    wrt_names = [f"wrt_{i}" for i in range(len(wrt_shape))]
+    return array_dimension_names(kind, spec_or_jacobian(kind).main_array, of_shape, wrt_shape)
+
+
+def array_dimension_names(kind: str, array: str, of_shape: tuple[int, ...], wrt_shape: tuple[int, ...], *,
+                          wrt_names: list[str] | None = None) -> list[str]:
+    """Names of the axes of ``array`` of a ``kind`` result, its ``KindSpec.dims`` spelled out: ``of_i`` for
+    ``of``'s axes, ``wrt_i`` for ``wrt``'s (or ``wrt_names``: ``["wrt"]`` for several sources concatenated),
+    ``wrt2_i`` for a Hessian's second copy; a kind with a batch axis leaves axis 0 of each to ``batch``."""
     spec = spec_or_jacobian(kind)
-    if spec.scalar_of:
-        return wrt_names + [f"wrt2_{i}" for i in range(len(wrt_shape))]
-    if spec.batch_axis:
-        return ["batch"] + of_names[1:] + wrt_names[1:]
-    return of_names + wrt_names
+    lead = 1 if spec.batch_axis else 0
+    words = {"of": [f"of_{i}" for i in range(len(of_shape))][lead:],
+             "wrt": (list(wrt_names) if wrt_names is not None else [f"wrt_{i}" for i in range(len(wrt_shape))])[lead:],
+             "wrt2": [f"wrt2_{i}" for i in range(len(wrt_shape))][lead:]}
+    return [name for word in spec.dims_of(array) for name in words.get(word, [word])]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-KINDS = ("jacobian", "batch_jacobian", "hessian", "jvp", "vjp", "hvp", "svd", "hessian_eig", "hessian_trace")
+from contracts.kinds import KINDS as REGISTERED
+
+KINDS = tuple(REGISTERED)
 MODES = ("auto", "reverse", "forward")
 STATUSES = ("queued", "running", "succeeded", "failed", "canceled")
 

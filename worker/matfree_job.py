@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from contracts import storage
-from contracts.jobspec import MATRIX_FREE_KINDS, PRODUCT_KINDS
-from contracts.layout import MAIN_ARRAYS, RESULT_GROUP, job_url
+from contracts.jobspec import MATRIX_FREE_KINDS
+from contracts.kinds import KINDS, Family, kind_spec
+from contracts.layout import MAIN_ARRAYS, RESULT_GROUP, array_dimension_names, job_url
 from contracts.records import iso_time
 from worker import result_group
 from worker.storage import jsonable, write_manifest
@@ -34,17 +35,12 @@ BLOCK_BYTES = 32 << 20
 HELD_BYTES = 256 << 20   # products held in memory at once: runs of whole storage blocks up to this (at least one)
 
 
-def _names(prefix: str, shape: tuple[int, ...]) -> list[str]:
-    return [f"{prefix}_{i}" for i in range(len(shape))]
-
-
 def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
-    """Each array's axis names: ``seed`` or ``k`` first, then ``of_i`` or the wrt axes (``wrt_i``; ``wrt``
-    when several sources are concatenated)."""
-    of = _names("of", tuple(op.of_shape))
-    wrt = _names("wrt", tuple(op.axis.shape)) if len(op.axis.names) == 1 else ["wrt"]
-    return {"products": ["seed"] + (of if kind == "jvp" else wrt), "S": ["k"], "U": ["k"] + of, "V": ["k"] + wrt,
-            "eigenvalues": ["k"], "eigenvectors": ["k"] + wrt, "trace": [], "stderr": []}
+    """Each of the kind's arrays' axis names (its ``KindSpec.dims``): ``seed`` or ``k`` first, then ``of_i`` or
+    the wrt axes (``wrt_i``; ``wrt`` when several sources are concatenated)."""
+    wrt_names = None if len(op.axis.names) == 1 else ["wrt"]
+    return {array: array_dimension_names(kind, array, tuple(op.of_shape), tuple(op.axis.shape), wrt_names=wrt_names)
+            for array in kind_spec(kind).arrays}
 
 
 @dataclass
@@ -77,33 +73,29 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     from worker.engine import spectra
 
     run = MatFreeRun(results_url=results_url, job_id=job_id, **options)
-    rank, tol, samples, chunk_size = run.rank, run.tol, run.samples, run.chunk_size
+    chunk_size = run.chunk_size
     on_progress, should_stop = run.on_progress, run.should_stop
     base = storage.normalize(job_url(results_url, job_id))
     group_url = storage.join(base, RESULT_GROUP)
+    spec = KINDS.get(str(getattr(kind, "value", kind)))
+    if spec is None or not spec.matrix_free:
+        from worker.engine.errors import InvalidRequest
+
+        raise InvalidRequest(f"kind: {kind!r} is not a matrix-free kind; use one of "
+                             f"{', '.join(MATRIX_FREE_KINDS)}", field="kind")
     dims = dimension_names(op, kind)
     t0 = time.monotonic()
-    if kind in PRODUCT_KINDS:
+    if spec.family is Family.products:
         if run.seeds is None:
             raise _missing("seeds", kind)
         result, stored = _products(op, kind, run)
-    else:
+    else:   # a spectrum: the kind's own fields (rank, tol; samples), the required ones given
         storage.delete_prefix(group_url)
         stored = {}
-        if kind == "svd":
-            result = spectra.svd(op, _required(rank, "rank", kind), tol=tol, chunk_size=chunk_size,
-                                 progress=on_progress, should_stop=should_stop)
-        elif kind == "hessian_eig":
-            result = spectra.hessian_eig(op, _required(rank, "rank", kind), tol=tol, chunk_size=chunk_size,
-                                         progress=on_progress, should_stop=should_stop)
-        elif kind == "hessian_trace":
-            result = spectra.hessian_trace(op, samples, chunk_size=chunk_size, progress=on_progress,
-                                           should_stop=should_stop)
-        else:
-            from worker.engine.errors import InvalidRequest
-
-            raise InvalidRequest(f"kind: {kind!r} is not a matrix-free kind; use one of "
-                                 f"{', '.join(MATRIX_FREE_KINDS)}", field="kind")
+        args = {f: _required(getattr(run, f), f, kind) if f in spec.required else getattr(run, f)
+                for f in spec.fields}
+        result = spectra.spectral(op, kind, **args, chunk_size=chunk_size, progress=on_progress,
+                                  should_stop=should_stop)
         _write_small(group_url, op, kind, result, dims)
     seconds = time.monotonic() - t0
     shapes = {name: list(np.shape(a)) for name, a in result.arrays.items()} | stored
@@ -133,7 +125,7 @@ def products_writer(op: Any, kind: str, k: int, results_url: str, job_id: str, *
     from contracts.layout import ResultLayout
     from worker.storage import ResultWriter
 
-    row_shape = tuple(op.of_shape) if kind == "jvp" else tuple(op.axis.shape)
+    row_shape = tuple(op.of_shape) if kind_spec(kind).product_axes == "of" else tuple(op.axis.shape)
     dtype = np.dtype(op.dtype)
     layout = ResultLayout(shape=(k,) + row_shape, iter_start=0, iter_stop=1, itemsize=dtype.itemsize,
                           block_bytes=block_bytes or BLOCK_BYTES)
@@ -239,7 +231,7 @@ def _missing(field: str, kind: str) -> Exception:
     from worker.engine.errors import InvalidRequest
 
     what = {"seeds": "the vectors to multiply, shape (k,) + wrt.shape (jvp, hvp) or (k,) + of.shape (vjp)",
-            "rank": "how many singular values or eigenpairs, e.g. 5"}[field]
+            "rank": "how many singular values or eigenpairs, e.g. 5"}.get(field, "see the kind's fields")
     return InvalidRequest(f"{field}: kind {kind!r} needs {field}: {what}", field=field)
 
 

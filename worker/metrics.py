@@ -21,6 +21,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from contracts.kinds import Family, kinds_where
+
 log = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -28,7 +30,7 @@ ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 GCCollector(registry=REGISTRY)
 
-KINDS = ("jacobian", "batch_jacobian", "hessian")
+KINDS = kinds_where(family=Family.dense)   # the kind label's values; the other kinds are "other"
 FINISHED_STATUSES = ("succeeded", "failed", "canceled")
 _SECONDS_LONG = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200,
                  86400)

@@ -138,7 +138,7 @@ def compute_once(problem: Problem, run: DenseRun) -> dict[str, Any]:
     Resumes from committed blocks; writes ``manifest.json`` last (not for a shard, ``run.rows`` given).
     Returns the manifest. Raises ``EngineError`` (``Stopped`` on cancel), ``ResultWriteError``.
     """
-    from worker.engine import run_problem
+    from worker.engine import RunOptions, run_problem
 
     results_url, job_id, rows = run.results_url, run.job_id, run.rows
     try:
@@ -184,11 +184,11 @@ def compute_once(problem: Problem, run: DenseRun) -> dict[str, Any]:
         return dict(json.loads(storage.read_bytes(writer.manifest_url)))
     try:
         if ranges:
-            report = run_problem(problem, ranges=ranges, memory_budget_bytes=run.memory_budget_bytes,
-                                 chunk_rows=chunk_rows, on_plan=take_plan, on_chunk=take_chunk,
-                                 should_stop=run.should_stop, strategy=run.strategy, plan=run.plan,
-                                 refine=run.refine, probe=run.probe, try_xla=run.try_xla,
+            options = RunOptions(memory_budget_bytes=run.memory_budget_bytes, chunk_rows=chunk_rows,
+                                 strategy=run.strategy, refine=run.refine, try_xla=run.try_xla,
                                  host_reserved_bytes=writer.host_bytes)
+            report = run_problem(problem, options=options, ranges=ranges, on_plan=take_plan, on_chunk=take_chunk,
+                                 should_stop=run.should_stop, plan=run.plan, probe=run.probe)
             plan_now.update(report.plan or {})
             plan_now.update({"rows_computed": report.rows_computed, "run_seconds": round(report.seconds, 3)})
             if run.on_learned is not None:

@@ -87,7 +87,7 @@ def render_preview(array: Any, *, kind: str | None, panels: int, size: int,
     kind = str(attrs.get("kind") or kind or "jacobian")
     if spec_or_jacobian(kind).preview == "spectrum":
         stderr = attrs.get("stderr_value")
-        return render_spectrum(np.asarray(array[...]), attrs, job_id=job_id, stderr=stderr), {}
+        return render_spectrum(np.asarray(array[...]), attrs, job_id=job_id, stderr=stderr, kind=kind), {}
     if isinstance(attrs.get("wrt"), list):
         attrs["wrt"] = ", ".join(map(str, attrs["wrt"]))
     batch, row_axes = matrix_axes(kind, shape, attrs)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.engine.conftest import rand
-from worker.engine import build_problem, run_problem
+from worker.engine import RunOptions, build_problem, run_problem
 from worker.engine import problem as problem_module
 
 
@@ -24,7 +24,8 @@ def refuse_eager_checks(monkeypatch) -> None:
 
 def rows_of(problem) -> np.ndarray:
     rows = []
-    run_problem(problem, strategy="vectorized", chunk_rows=3, on_chunk=lambda start, r: rows.append(np.array(r)))
+    run_problem(problem, options=RunOptions(strategy="vectorized", chunk_rows=3),
+                on_chunk=lambda start, r: rows.append(np.array(r)))
     return np.concatenate(rows)
 
 

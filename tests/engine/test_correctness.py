@@ -245,14 +245,15 @@ def test_same_chunking_is_bitwise_reproducible(loaded):
 
 
 def test_row_ranges_cover_only_what_is_asked(loaded):
-    from worker.engine import build_problem, run_problem
+    from worker.engine import RunOptions, build_problem, run_problem
 
     model = loaded("mlp")
     inputs = {"x": rand((3, 8))}
     want = tape_jacobian(model, inputs, "y", "x").reshape(12, 3, 8)
     problem = build_problem(model, inputs)
     seen = {}
-    run_problem(problem, ranges=[(1, 4), (9, 12)], chunk_rows=2, on_chunk=lambda s, r: seen.update({s: r}))
+    run_problem(problem, options=RunOptions(chunk_rows=2), ranges=[(1, 4), (9, 12)],
+                on_chunk=lambda s, r: seen.update({s: r}))
     rows = sorted(seen)
     assert rows == [1, 3, 9, 11]
     for s in rows:

@@ -102,7 +102,7 @@ def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, mo
     import zarr
 
     import worker.engine.chunk_run as chunk_run
-    from worker.engine import build_problem, run_problem
+    from worker.engine import RunOptions, build_problem, run_problem
     from worker.engine.errors import WrongRowsDelivered
     from worker.pipeline import compute_to_storage
 
@@ -124,7 +124,7 @@ def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, mo
     want = tape_jacobian(model, inputs, "y", "x")
     problem = build_problem(model, inputs)
     with pytest.raises(WrongRowsDelivered) as caught:  # run_problem: the rows tiled delivered, to redo
-        run_problem(problem, plan=calibrated_tiled(), refine="always", memory_budget_bytes=10**9)
+        run_problem(problem, options=RunOptions(refine="always", memory_budget_bytes=10**9), plan=calibrated_tiled())
     learned = caught.value.learned
     ranges = caught.value.ranges  # tiled's 16-row chunks before the trial (one or two: when it came first)
     assert ranges[0] == (0, 16) and all(b - a == 16 for a, b in ranges), ranges

@@ -516,7 +516,8 @@ def test_pure_rules_need_no_tensorflow():
     tree = ast.parse(Path(matfree_rules.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "math", "numbers", "collections.abc", "contracts.rules"}
+    assert imported <= {"__future__", "math", "numbers", "collections.abc", "contracts.rules",
+                        "contracts.kinds"}
     assert matfree_rules.check_rank("svd", 3, of_size=3, wrt_size=10) == 3
     assert matfree_rules.check_rank("hessian_eig", np.int64(4), of_size=1, wrt_size=10) == 4
     assert matfree_rules.check_tol(np.float32(1e-3)) == pytest.approx(1e-3)
@@ -538,14 +539,15 @@ def multi_io_model(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["jvp", "vjp"])
 def test_tiled_products_agree_with_gradient_tape(multi_io_model, kind):
     """``tiled`` over two input sources (one concatenated axis) gives GradientTape's products."""
-    from worker.engine.matfree import TILED_ROUTES, build_operator
+    from worker.engine.matfree import build_operator
+    from worker.engine.products import tiled_route
 
     rng = np.random.default_rng(3)
     inputs = {"a": rng.standard_normal((2, 4)).astype("float32"), "b": rng.standard_normal((2, 3)).astype("float32")}
     op = build_operator(multi_io_model, inputs, of="v", wrt=["a", "b"])
     jac, _ = dense(op)
     seeds = rng.standard_normal((5, op.n_wrt if kind == "jvp" else op.n_of))
-    got = op._run(kind, f"{TILED_ROUTES[kind]}/tiled", seeds.astype("float32"))
+    got = op._run(kind, f"{tiled_route(kind)}/tiled", seeds.astype("float32"))
     want = seeds @ jac.T if kind == "jvp" else seeds @ jac
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 

@@ -9,7 +9,7 @@ import pytest
 from tests import models
 from tests.engine.conftest import rand
 from tests.engine.reference import tape_jacobian
-from worker.engine import TFMemoryProbe, build_problem, compute_in_memory, load_model, run_problem
+from worker.engine import RunOptions, TFMemoryProbe, build_problem, compute_in_memory, load_model, run_problem
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,9 @@ class InjectedProbe(TFMemoryProbe):
 def _run(model, inputs, rows, **kw):
     """Rows ``[0, rows)``, planned by memory alone (no timing-dependent sweet spot)."""
     problem = build_problem(model, inputs)
-    kw.setdefault("memory_budget_bytes", 256 << 20)
-    return run_problem(problem, ranges=[(0, rows)], strategy="vectorized", throughput_cap=False, **kw)
+    options = RunOptions(strategy="vectorized", throughput_cap=False,
+                         memory_budget_bytes=kw.pop("memory_budget_bytes", 256 << 20))
+    return run_problem(problem, options=options, ranges=[(0, rows)], **kw)
 
 
 @pytest.mark.parametrize("budget_mb", [24, 64])

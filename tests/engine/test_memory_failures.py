@@ -10,7 +10,7 @@ import pytest
 from tests import models
 from tests.engine.conftest import rand
 from tests.engine.reference import tape_jacobian
-from worker.engine import Plan, TFMemoryProbe, build_problem, load_model, run_problem
+from worker.engine import Plan, RunOptions, TFMemoryProbe, build_problem, load_model, run_problem
 from worker.engine.chunk_run import ChunkRun
 from worker.engine.memory import is_out_of_memory
 from worker.engine.trial import run_trial
@@ -99,7 +99,8 @@ def test_an_oom_in_calibration_is_kept_in_the_plan_for_the_next_job(wide_mlp):
     """Calibration grows 8, 16, 32 and runs out of memory at 64 rows; the fit from the sizes that ran does
     not show it, so the plan must: the next job plans below 64 rows and meets no OOM."""
     problem = build_problem(wide_mlp, {"x": rand((64, 256))})
-    options = dict(ranges=[(0, 1024)], strategy="vectorized", throughput_cap=False, memory_budget_bytes=256 << 20)
+    options = dict(ranges=[(0, 1024)], options=RunOptions(strategy="vectorized", throughput_cap=False,
+                                                          memory_budget_bytes=256 << 20))
     calibrating = Probe(oom_above_rows=32)
     first = run_problem(problem, probe=calibrating, **options)
     assert first.plan["oom_retries"] == 1 and calibrating.chunks[:5] == [8, 16, 32, 64, 32], calibrating.chunks
@@ -117,8 +118,8 @@ def test_injected_ooms_leave_the_rows_right(small_mlp):
     def keep(start, rows):
         got[start:start + len(rows)] = rows
 
-    report = run_problem(problem, probe=Probe(oom_above_rows=4), on_chunk=keep, strategy="vectorized",
-                         throughput_cap=False)
+    report = run_problem(problem, options=RunOptions(strategy="vectorized", throughput_cap=False),
+                         probe=Probe(oom_above_rows=4), on_chunk=keep)
     assert report.plan["oom_retries"] >= 1
     want = tape_jacobian(small_mlp, inputs, "y", "x")
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6)
@@ -131,7 +132,7 @@ def test_injected_ooms_leave_the_rows_right(small_mlp):
 
 def xla_plan(problem, *, unseen: bool) -> Plan:
     """A plan whose strategy is XLA, learnt without a budget; ``unseen``: it knows XLA's peaks read 0."""
-    learned = run_problem(problem, strategy=XLA, chunk_rows=256).learned
+    learned = run_problem(problem, options=RunOptions(strategy=XLA, chunk_rows=256)).learned
     assert learned.strategy == XLA
     learned.record(XLA).peak_unseen = unseen
     return learned
@@ -141,11 +142,11 @@ def test_a_strategy_known_to_read_zero_is_not_chosen_under_a_budget(small_mlp):
     problem = build_problem(small_mlp, {"x": rand((256, 8))})
     plan = xla_plan(problem, unseen=True)
     seen: list[str] = []
-    report = run_problem(problem, plan=plan, memory_budget_bytes=256 << 20, refine="never",
+    report = run_problem(problem, options=RunOptions(memory_budget_bytes=256 << 20, refine="never"), plan=plan,
                          on_plan=lambda p: seen.append(p["strategy"]))
     assert XLA not in seen and report.plan["strategy"] != XLA, seen
     assert report.learned.strategy == XLA  # the plan's choice for jobs without a budget stands
-    unbudgeted = run_problem(problem, plan=report.learned, chunk_rows=256)
+    unbudgeted = run_problem(problem, options=RunOptions(chunk_rows=256), plan=report.learned)
     assert unbudgeted.plan["strategy"] == XLA
 
 
@@ -159,8 +160,8 @@ def test_a_strategy_whose_chunk_reads_zero_is_left_after_that_chunk(small_mlp):
     def keep(start, rows):
         got[start:start + len(rows)] = rows
 
-    report = run_problem(problem, plan=plan, memory_budget_bytes=256 << 20, probe=Probe(blind_chunks=1),
-                         chunk_rows=256, on_chunk=keep, on_plan=lambda p: seen.append(p["strategy"]))
+    report = run_problem(problem, options=RunOptions(memory_budget_bytes=256 << 20, chunk_rows=256), plan=plan,
+                         probe=Probe(blind_chunks=1), on_chunk=keep, on_plan=lambda p: seen.append(p["strategy"]))
     assert seen == [XLA, "vectorized"] and report.learned.record(XLA).peak_unseen, seen
     want = tape_jacobian(small_mlp, inputs, "y", "x")
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6)
@@ -168,15 +169,15 @@ def test_a_strategy_whose_chunk_reads_zero_is_left_after_that_chunk(small_mlp):
 
 def test_a_pinned_strategy_reading_zero_stays_with_a_warning(small_mlp, caplog):
     problem = build_problem(small_mlp, {"x": rand((256, 8))})
-    report = run_problem(problem, strategy=XLA, memory_budget_bytes=256 << 20, probe=Probe(blind_chunks=1),
-                         chunk_rows=256)
+    report = run_problem(problem, options=RunOptions(strategy=XLA, memory_budget_bytes=256 << 20, chunk_rows=256),
+                         probe=Probe(blind_chunks=1))
     assert report.plan["strategy"] == XLA and "memory_budget_bytes cannot bound it" in caplog.text
 
 
 def test_small_chunks_that_read_zero_are_not_taken_for_unseen_memory(small_mlp):
     """On the CPU a chunk of a few KiB reads 0 whatever runs it: that says nothing about the strategy."""
     problem = build_problem(small_mlp, {"x": rand((8, 8))})
-    report = run_problem(problem, strategy="vectorized", memory_budget_bytes=256 << 20)
+    report = run_problem(problem, options=RunOptions(strategy="vectorized", memory_budget_bytes=256 << 20))
     assert report.peak_bytes == 0 and not report.learned.record("vectorized").peak_unseen
 
 
@@ -234,13 +235,15 @@ def test_on_a_gpu_chunks_fit_the_hosts_memory_beside_the_writers_buffers(wide_ml
     def keep(start, rows):
         got[start:start + len(rows)] = rows
 
-    report = run_problem(problem, probe=probe, on_chunk=keep, strategy="vectorized", throughput_cap=False,
-                         host_reserved_bytes=reserved, ranges=[(0, 200)])
+    report = run_problem(problem,
+                         options=RunOptions(strategy="vectorized", throughput_cap=False, host_reserved_bytes=reserved),
+                         probe=probe, on_chunk=keep, ranges=[(0, 200)])
     assert report.plan["host_rows_cap"] == 40 and max(probe.chunks) <= 40, (report.plan, probe.chunks)
     want = tape_jacobian(wide_mlp, inputs, "y", "x")
     np.testing.assert_allclose(got, want.reshape((-1,) + problem.layout.row_shape)[:200], rtol=1e-5, atol=1e-6)
     # On the CPU the device memory the planner reads is the host's: no separate cap.
-    cpu = run_problem(problem, probe=Probe(), strategy="vectorized", throughput_cap=False, ranges=[(0, 8)])
+    cpu = run_problem(problem, options=RunOptions(strategy="vectorized", throughput_cap=False), probe=Probe(),
+                      ranges=[(0, 8)])
     assert "host_rows_cap" not in cpu.plan
 
 

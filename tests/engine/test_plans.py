@@ -9,7 +9,7 @@ import pytest
 from tests import models
 from tests.engine.conftest import rand
 from tests.engine.reference import tape_jacobian
-from worker.engine import DiskPlanCache, build_problem, load_model, run_problem
+from worker.engine import DiskPlanCache, RunOptions, build_problem, load_model, run_problem
 from worker.engine.planning import prepare
 
 
@@ -108,11 +108,12 @@ def wide(tmp_path_factory):
 def test_a_trial_runs_when_earlier_jobs_of_the_plan_pay_for_it(wide):
     inputs = {"x": rand((32, 64))}
     problem = build_problem(wide, inputs)            # 2048 rows
-    first = run_problem(problem, ranges=[(0, 128)], try_xla=False)  # a short job, no history: no trial
+    # a short job, no history: no trial
+    first = run_problem(problem, options=RunOptions(try_xla=False), ranges=[(0, 128)])
     assert first.plan["trial"] is None
     plan = first.learned
     plan.work_s = 1e6                                # as if many jobs had run under this plan
-    second = run_problem(problem, plan=plan, try_xla=False)
+    second = run_problem(problem, options=RunOptions(try_xla=False), plan=plan)
     trial = second.plan["trial"]
     assert trial is not None and trial["candidate"] == "tiled" and trial["winner"] in ("tiled", "vectorized")
     assert "ratio" in trial and second.learned.strategies["tiled"].status == "ok"
@@ -124,12 +125,12 @@ def test_a_candidate_whose_trial_does_not_pay_holds_back_no_other(wide):
     work can repay its trial does not pay; ``per_example``'s does, and it is tried."""
     inputs = {"x": rand((32, 64))}
     problem = build_problem(wide, inputs, kind="batch_jacobian")
-    first = run_problem(problem, try_xla=False)
+    first = run_problem(problem, options=RunOptions(try_xla=False))
     plan = first.learned
     assert plan.strategy == "vectorized" and plan.strategies["tiled"].status == "untried"
     plan.record("tiled").compile_s = 1e12
     plan.work_s = 1e6
-    second = run_problem(problem, plan=plan, try_xla=False)
+    second = run_problem(problem, options=RunOptions(try_xla=False), plan=plan)
     assert second.plan["trial"] is not None and second.plan["trial"]["candidate"] == "per_example", second.plan
     assert second.learned.strategies["tiled"].status == "untried"
 
@@ -143,7 +144,7 @@ def test_a_batch_jacobian_plan_tries_the_per_example_strategy_and_keeps_right_ro
     plan, candidates = None, []
     for _ in range(30):
         seen: dict[int, np.ndarray] = {}
-        report = run_problem(problem, plan=plan, try_xla=False, refine="always",
+        report = run_problem(problem, options=RunOptions(try_xla=False, refine="always"), plan=plan,
                              on_chunk=lambda s, r, seen=seen: seen.update({s: r}))
         rows = np.concatenate([seen[s] for s in sorted(seen)])   # (features, batch, features)
         np.testing.assert_allclose(np.moveaxis(rows, 0, 1), want, atol=1e-5)
@@ -173,7 +174,8 @@ def test_the_function_at_the_production_size_is_checked_against_eager_rows(loade
     inputs = {"image": rand((4, 8, 8, 3))}   # 20 output rows
     problem = build_problem(model, inputs)
     seen = {}
-    report = run_problem(problem, strategy="vectorized", chunk_rows=16, on_chunk=lambda s, r: seen.update({s: r}))
+    report = run_problem(problem, options=RunOptions(strategy="vectorized", chunk_rows=16),
+                         on_chunk=lambda s, r: seen.update({s: r}))
     assert "disagrees with the eager reference" in report.failures["vectorized"]
     assert report.plan["strategy"] in ("loop", "eager")
     rows = np.concatenate([seen[s] for s in sorted(seen)])
@@ -183,7 +185,7 @@ def test_the_function_at_the_production_size_is_checked_against_eager_rows(loade
 def test_a_size_checked_before_runs_without_eager_code(loaded, monkeypatch):
     model = loaded("mlp")
     inputs = {"x": rand((3, 8))}
-    first = run_problem(build_problem(model, inputs), chunk_rows=4)
+    first = run_problem(build_problem(model, inputs), options=RunOptions(chunk_rows=4))
     assert 4 in first.learned.current.verified_rows
     import worker.engine.chunk_run as chunk_run
 
@@ -191,7 +193,7 @@ def test_a_size_checked_before_runs_without_eager_code(loaded, monkeypatch):
         raise AssertionError("an eager reference row was computed for a size checked before")
 
     monkeypatch.setattr(chunk_run.ChunkRun, "eager_row", no_eager)
-    run_problem(build_problem(model, inputs), plan=first.learned, chunk_rows=4)
+    run_problem(build_problem(model, inputs), options=RunOptions(chunk_rows=4), plan=first.learned)
 
 
 def test_a_job_runs_the_strategy_that_finishes_it_first_counting_compiles(loaded):

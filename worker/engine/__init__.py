@@ -18,7 +18,7 @@ from worker.engine.plan import Plan, PlanKey, StrategyRecord
 from worker.engine.plan_cache import DiskPlanCache, MemoryPlanCache, PlanCache, TieredPlanCache
 from worker.engine.planner import LinearFit, bucket_rows, fit_linear, plan_chunk
 from worker.engine.problem import Problem, build_problem, plan_key, verify_independence
-from worker.engine.runner import RunReport, compute_in_memory, default_plan, rows_agree, run_problem
+from worker.engine.runner import RunOptions, RunReport, compute_in_memory, default_plan, rows_agree, run_problem
 
 __all__ = [
     "BatchNotIndependent", "EngineError", "GPUMemoryReserved", "InvalidRequest", "MemoryBudgetTooSmall",
@@ -26,5 +26,5 @@ __all__ = [
     "MemoryProbe", "TFMemoryProbe", "LoadedModel", "describe_signature", "load_model", "Plan", "PlanKey",
     "StrategyRecord", "DiskPlanCache", "MemoryPlanCache", "PlanCache", "TieredPlanCache", "LinearFit",
     "bucket_rows", "fit_linear", "plan_chunk", "Problem", "build_problem", "plan_key", "verify_independence",
-    "RunReport", "compute_in_memory", "default_plan", "rows_agree", "run_problem",
+    "RunOptions", "RunReport", "compute_in_memory", "default_plan", "rows_agree", "run_problem",
 ]

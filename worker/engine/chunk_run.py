@@ -60,6 +60,28 @@ def rows_agree(got: np.ndarray, want: np.ndarray) -> bool:
     return bool(np.abs(a[finite] - b[finite]).max() <= tol * scale)
 
 
+@dataclass(frozen=True)
+class Adjoint:
+    """A JVP probe's reference: ``w = J^T u`` for a random ``u`` (``Operator._adjoint``)."""
+
+    u: np.ndarray
+    w: np.ndarray
+
+
+def agrees(row: np.ndarray, seed: np.ndarray, reference: Any) -> bool:
+    """A probe row against its reference: equal rows (``rows_agree``), or for an ``Adjoint`` the dot-product
+    test ``u . row == w . seed`` within ``rows_agree``'s tolerance of the products' Cauchy-Schwarz bound."""
+    if not isinstance(reference, Adjoint):
+        return rows_agree(row, reference)
+    row64, seed64 = np.asarray(row, np.float64), np.asarray(seed, np.float64)
+    if not np.isfinite(row64).all():
+        return False
+    u, w = reference.u.astype(np.float64), reference.w.astype(np.float64)
+    bound = max(float(np.linalg.norm(u) * np.linalg.norm(row64)), float(np.linalg.norm(w) * np.linalg.norm(seed64)))
+    tol = 1e-3 if np.asarray(row).dtype.itemsize <= 2 else 1e-4
+    return abs(float(u @ row64) - float(w @ seed64)) <= tol * max(bound, 1e-300)
+
+
 @dataclass
 class Calibration:
     """One strategy's chunk sizes so far in this run: calls, steady seconds and peaks per size."""
@@ -88,7 +110,7 @@ class ChunkRun:
         self.usable = SAFETY * self.limit
         # XLA's memory is invisible to TensorFlow's allocator statistics on the CPU: no XLA under a budget there.
         self.try_xla = try_xla and (budget is None or getattr(probe, "is_gpu", False))
-        self.batch = problem.of_shape[0] if problem.kind == "batch_jacobian" and problem.of_shape else None
+        self.batch = problem.of_shape[0] if problem.spec.batch_axis and problem.of_shape else None
         self.cal: dict[str, Calibration] = {}
         self.rows_run = 0
         self.pending = problem.rows_total

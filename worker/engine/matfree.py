@@ -42,18 +42,17 @@ import numpy as np
 
 from contracts import rules
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
+from contracts.kinds import kind_spec
 from worker.engine import matfree_rules, pfor_patches
-from worker.engine.chunk_run import rows_agree
+from worker.engine.chunk_run import Adjoint, agrees
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
 from worker.engine.memory import is_out_of_memory
 from worker.engine.model import LoadedModel
 from worker.engine.problem import _convert_inputs, _described, _probe_shape, _ruled, error_summary
-from worker.engine.products import body, tiled_ok
+from worker.engine.products import body, tiled_ok, tiled_route
 from worker.engine.tuning import SMALL_GRAPH_OPS
 from worker.engine.wrt_axis import WrtAxis, wrt_axis
 
-ROUTES = {"jvp": ("forward", "reverse"), "vjp": ("reverse",), "hvp": ("forward", "reverse")}
-TILED_ROUTES = {"jvp": "forward", "vjp": "reverse"}   # the route of the kinds' ``tiled`` label
 FIRST_SEEDS = 8          # the first call of a kind whose seeds per call are planned from memory: its peak measured
 PROBE_SEED = 20240611   # the random probe row of a kind's first call
 
@@ -182,7 +181,7 @@ class Operator:
         seeds = np.ascontiguousarray(seeds, dtype=self.compute_dtype)
         total = len(seeds)
         if total == 0:
-            return np.empty((0, self.n_of if kind == "jvp" else self.n_wrt), self.compute_dtype)
+            return np.empty((0, self.n_of if kind_spec(kind).product_axes == "of" else self.n_wrt), self.compute_dtype)
         planning = chunk_size is None and self.probe is not None and total > FIRST_SEEDS
         step = max(1, min(chunk_size or self.planned.get(kind) or (FIRST_SEEDS if planning else total), total))
         out = np.empty(0)
@@ -239,18 +238,18 @@ class Operator:
 
     def candidates(self, kind: str) -> list[str]:
         """The labels a kind's first call tries, in order (see the module docstring)."""
-        asked = self.routes.get(kind, "auto")
-        if asked not in ("auto", *ROUTES[kind]):
+        asked, routes = self.routes.get(kind, "auto"), kind_spec(kind).routes
+        if asked not in ("auto", *routes):
             raise InvalidRequest(f"mode: route {asked!r} cannot compute {kind}; use one of 'auto', "
-                                 + ", ".join(repr(r) for r in ROUTES[kind]), field="mode")
+                                 + ", ".join(repr(r) for r in routes), field="mode")
         out = []
-        if "forward" in ROUTES[kind] and (asked == "forward" or (asked == "auto" and not self.axis.variables)):
+        if "forward" in routes and (asked == "forward" or (asked == "auto" and not self.axis.variables)):
             out.append("forward/vectorized")
         if asked != "forward":
             out += ["reverse/vectorized", "reverse/loop", "reverse/eager"]
-        if kind in TILED_ROUTES and tiled_ok(self):
-            tiled = f"{TILED_ROUTES[kind]}/tiled"
-            vectorized = f"{TILED_ROUTES[kind]}/vectorized"
+        route = tiled_route(kind)
+        if route is not None and tiled_ok(self):
+            tiled, vectorized = f"{route}/tiled", f"{route}/vectorized"
             if vectorized in out:   # a large graph: tiled first (pfor's trace of it costs tens of seconds)
                 at = out.index(vectorized) + (self.model.graph_ops <= SMALL_GRAPH_OPS)
                 out.insert(at, tiled)
@@ -261,7 +260,8 @@ class Operator:
         its probe row agrees with the eager reverse-mode reference; that label is kept."""
         probe = np.random.default_rng(PROBE_SEED).standard_normal((1, seeds.shape[1])).astype(self.compute_dtype)
         if kind not in self._references:   # kept: a first call that runs out of memory comes back here, halved
-            self._references[kind] = self._adjoint(probe) if kind == "jvp" else self._reference(kind, probe)
+            along_of = kind_spec(kind).product_axes == "of"   # J t: checked against J^T u
+            self._references[kind] = self._adjoint(probe) if along_of else self._reference(kind, probe)
         reference = self._references[kind]
         batch = np.concatenate([seeds, probe])
         for label in self.candidates(kind):
@@ -274,7 +274,7 @@ class Operator:
                     raise
                 self.failures[label] = error_summary(err)
                 continue
-            if reference is not None and not _agrees(rows[-1], probe[0], reference):
+            if reference is not None and not agrees(rows[-1], probe[0], reference):
                 self.failures[label] = "disagrees with the eager reverse-mode reference"
                 self.counts["checks"] += len(batch)
                 continue
@@ -333,7 +333,7 @@ class Operator:
     def key(self, kind: str, label: str) -> ProductKey:
         inputs = tuple(sorted((n, t.dtype.name) for n, t in self.inputs.items()))
         return ProductKey(self.of, self.axis.names, self.axis.optional, kind, label,
-                          self.reduce if kind == "hvp" else None, self.compute_dtype, inputs)
+                          self.reduce if kind_spec(kind).scalar_of else None, self.compute_dtype, inputs)
 
     def _compiled(self, tf: Any, kind: str, label: str) -> Any:
         pfor_patches.install()
@@ -345,28 +345,6 @@ class Operator:
                                input_signature=[tf.TensorSpec([None, None], self.compute_dtype), spec])
 
         return self.model.compiled.get(self.key(kind, label), build)
-
-
-@dataclass(frozen=True)
-class Adjoint:
-    """A JVP probe's reference: ``w = J^T u`` for a random ``u`` (``Operator._adjoint``)."""
-
-    u: np.ndarray
-    w: np.ndarray
-
-
-def _agrees(row: np.ndarray, seed: np.ndarray, reference: Any) -> bool:
-    """A probe row against its reference: equal rows (``rows_agree``), or for an ``Adjoint`` the dot-product
-    test ``u . row == w . seed`` within ``rows_agree``'s tolerance of the products' Cauchy-Schwarz bound."""
-    if not isinstance(reference, Adjoint):
-        return rows_agree(row, reference)
-    row64, seed64 = np.asarray(row, np.float64), np.asarray(seed, np.float64)
-    if not np.isfinite(row64).all():
-        return False
-    u, w = reference.u.astype(np.float64), reference.w.astype(np.float64)
-    bound = max(float(np.linalg.norm(u) * np.linalg.norm(row64)), float(np.linalg.norm(w) * np.linalg.norm(seed64)))
-    tol = 1e-3 if np.asarray(row).dtype.itemsize <= 2 else 1e-4
-    return abs(float(u @ row64) - float(w @ seed64)) <= tol * max(bound, 1e-300)
 
 
 def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = None,
@@ -404,7 +382,8 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
         raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
     k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)
-    row_shape = op.of_shape if kind == "jvp" else op.axis.shape
+    along_of = kind_spec(kind).product_axes == "of"
+    row_shape = op.of_shape if along_of else op.axis.shape
 
     def chunk(start: int, rows: np.ndarray) -> None:
         if on_chunk is not None:
@@ -415,7 +394,7 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
     streamed = on_chunk is not None   # the caller keeps the chunks: none are held here
     product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk,
                                 keep=not streamed)
-    arrays = {} if streamed else {"products": product if kind == "jvp" else op.axis.unflatten(product)}
+    arrays = {} if streamed else {"products": product if along_of else op.axis.unflatten(product)}
     return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays=arrays,
                          products={n: op.counts[n] - before[n] for n in op.counts}, iterations=1,
                          attrs={"seeds": k})

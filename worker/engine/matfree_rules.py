@@ -21,6 +21,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from contracts.kinds import kind_spec
 from contracts.rules import MATRIX_FREE_HESSIAN_KINDS, RuleViolation, check_hessian, fmt_shape
 
 TRACE_METHODS = ("auto", "hutch++", "hutchinson", "exact")
@@ -36,20 +37,22 @@ def _is_int(value: object) -> bool:
 
 def check_rank(kind: str, rank: object, *, of_size: int, wrt_size: int) -> int:
     """``rank`` for ``svd`` (at most the smaller of ``of``'s and ``wrt``'s sizes) or ``hessian_eig`` (at most
-    ``wrt``'s size): the number of singular values or eigenpairs asked for."""
-    largest = min(of_size, wrt_size) if kind == "svd" else wrt_size
-    what = ("min(size of of, size of wrt) = " f"min({of_size}, {wrt_size})" if kind == "svd"
-            else f"the size of wrt ({wrt_size})")
+    ``wrt``'s size): the number of singular values or eigenpairs asked for. The kind's spec says which: the
+    Hessian of a kind that differentiates twice is ``wrt`` by ``wrt``."""
+    spec = kind_spec(kind)
+    square = spec.scalar_of
+    largest = wrt_size if square else min(of_size, wrt_size)
+    what = (f"the size of wrt ({wrt_size})" if square
+            else "min(size of of, size of wrt) = " f"min({of_size}, {wrt_size})")
     if rank is None:
-        raise RuleViolation(f"rank: kind {kind!r} needs 'rank', the number of "
-                            f"{'singular values' if kind == 'svd' else 'eigenpairs'} to compute (1 to {largest})",
+        counted = spec.spectrum.counted if spec.spectrum else "values"
+        raise RuleViolation(f"rank: kind {kind!r} needs 'rank', the number of {counted} to compute (1 to {largest})",
                             field="rank")
     if not _is_int(rank) or rank < 1:
         raise RuleViolation(f"rank: must be a positive integer, got {rank!r}; ask for 1 to {largest}", field="rank")
     if rank > largest:
         raise RuleViolation(f"rank: {rank} is more than {what}; ask for at most {largest}"
-                            + (" (or kind 'jacobian' for the whole matrix)" if kind == "svd" else
-                               " (or kind 'hessian' for the whole matrix)"), field="rank")
+                            + f" (or kind {spec.whole_matrix!r} for the whole matrix)", field="rank")
     return int(rank)
 
 
@@ -81,8 +84,8 @@ def check_seeds(kind: str, shape: Sequence[int], *, of_shape: Sequence[int], wrt
     """The shape of ``seeds`` for ``kind``: ``(k,) + of_shape`` for ``vjp``, ``(k,) + wrt_shape`` otherwise
     (``wrt_shape``: one ``wrt``'s shape, or ``(total size,)`` for several), or ``(k, size)`` flat; ``k >= 1``.
     Returns ``k``."""
-    along = tuple(of_shape) if kind == "vjp" else tuple(wrt_shape)
-    name = "of" if kind == "vjp" else "wrt"
+    name = "of" if kind_spec(kind).seeds == "of" else "wrt"   # cotangents or tangents
+    along = tuple(of_shape) if name == "of" else tuple(wrt_shape)
     shape = tuple(int(d) for d in shape)
     size = math.prod(along)
     wanted = f"(k,) + {name}.shape = (k, {', '.join(map(str, along))})" if along else "(k,)"
@@ -90,7 +93,7 @@ def check_seeds(kind: str, shape: Sequence[int], *, of_shape: Sequence[int], wrt
         raise RuleViolation(f"seeds: kind {kind!r} needs seeds of shape {wanted} with k >= 1, got "
                             f"{fmt_shape(shape)}", field="seeds")
     if shape[1:] != along and shape[1:] != (size,):
-        what = "cotangents shaped like of" if kind == "vjp" else "tangents shaped like wrt"
+        what = "cotangents shaped like of" if name == "of" else "tangents shaped like wrt"
         raise RuleViolation(f"seeds: kind {kind!r} takes {what}, of shape {wanted} (or flat (k, {size})), got "
                             f"{fmt_shape(shape)}; reshape the seeds", field="seeds")
     return shape[0]

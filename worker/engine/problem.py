@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from contracts import rules
+from contracts.kinds import KindSpec, kind_spec
 from contracts.layout import ResultLayout, dimension_names
 from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
 from worker.engine.model import LoadedModel, shape_tuple
@@ -49,8 +50,13 @@ class Problem:
         return self.model.variables[self.wrt[len("variables/"):]]
 
     @property
+    def spec(self) -> KindSpec:
+        """The kind's ``contracts.kinds.KindSpec``."""
+        return kind_spec(self.kind)
+
+    @property
     def batch(self) -> int | None:
-        return self.of_shape[0] if self.kind == "batch_jacobian" else None
+        return self.of_shape[0] if self.spec.batch_axis else None
 
     @property
     def rows_total(self) -> int:
@@ -59,7 +65,7 @@ class Problem:
     @property
     def seed_shape(self) -> tuple[int, ...]:
         """Shape of one seed (cotangent in reverse mode, tangent in forward mode)."""
-        if self.kind == "hessian":
+        if self.spec.scalar_of:   # a Hessian: Hessian-vector seeds are shaped like wrt
             return self.wrt_shape
         return self.of_shape if self.mode == "reverse" else self.wrt_shape
 
@@ -125,9 +131,10 @@ def _wrt_target(model: LoadedModel, inputs: dict[str, Any], wrt: str) -> Any:
 
 
 def _layout(kind: str, mode: str, of_shape: tuple, wrt_shape: tuple, itemsize: int) -> ResultLayout:
-    if kind == "hessian":
+    spec = kind_spec(kind)
+    if spec.scalar_of:   # a Hessian: wrt by wrt
         return ResultLayout(wrt_shape + wrt_shape, 0, len(wrt_shape), itemsize)
-    if kind == "batch_jacobian":
+    if spec.batch_axis:
         shape = (of_shape[0],) + of_shape[1:] + wrt_shape[1:]
         if mode == "reverse":
             return ResultLayout(shape, 1, len(of_shape), itemsize)
@@ -148,7 +155,7 @@ def _probe_gradient(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: st
         with tf.GradientTape() as tape:
             tape.watch(target)
             y = model.fn(**inputs)[of]
-            s = tf.reduce_sum(y) if (kind != "hessian" or reduce == "sum") else y
+            s = tf.reduce_sum(y) if (not kind_spec(kind).scalar_of or reduce == "sum") else y
         grad = tape.gradient(s, target)
     except (LookupError, ValueError, TypeError, tf.errors.OpError) as err:
         raise NotDifferentiable(
@@ -304,7 +311,7 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
     problem = Problem(model=model, inputs=tensors, of=of, wrt=wrt, kind=kind, mode=mode, reduce=reduce,
                       of_shape=of_shape, wrt_shape=wrt_shape, dtype=dtype, of_dtype=out_dtype,
                       layout=_layout(kind, mode, of_shape, wrt_shape, itemsize))
-    if kind == "batch_jacobian" and check_independence and not trusted:
+    if problem.spec.batch_axis and check_independence and not trusted:
         verify_independence(problem)
     return problem
 
@@ -323,7 +330,7 @@ def plan_key(model: LoadedModel, inputs: dict[str, Any], *, of: str | None = Non
     for name, value in sorted(inputs.items()):
         shape = tuple(int(d) for d in value.shape)
         dtype = value.dtype.name if hasattr(value.dtype, "name") else str(value.dtype)
-        shapes.append((name, batch_bucketed(shape) if kind == "batch_jacobian" else shape, dtype))
+        shapes.append((name, batch_bucketed(shape) if kind_spec(kind).batch_axis else shape, dtype))
     return PlanKey(model=model.fingerprint, signature=model.signature, of=of, wrt=wrt, kind=kind, mode=mode,
                    reduce=reduce, inputs=tuple(shapes), device=device_kind(device), tensorflow=tf.__version__)
 
@@ -348,9 +355,10 @@ def _check_request(model: LoadedModel, tensors: dict[str, Any], of: str, wrt: st
     wrt_shape = tuple(int(d) for d in _wrt_target(model, tensors, wrt).shape)
     # The rules again, on the concrete shapes: an output of unknown rank, a batch axis of None.
     _ruled(rules.check_kind, kind, of=of, of_shape=of_shape, wrt=wrt, wrt_shape=wrt_shape, reduce=reduce)
-    if kind == "hessian":
+    spec = kind_spec(kind)
+    if spec.scalar_of:
         mode = "reverse" if mode == "auto" else mode
-    elif kind == "batch_jacobian" and mode == "auto":
+    elif spec.batch_axis and mode == "auto":
         mode = "reverse" if math.prod(of_shape[1:]) <= math.prod(wrt_shape[1:]) else "forward"
     elif mode == "auto":
         mode = "reverse" if math.prod(of_shape) <= math.prod(wrt_shape) else "forward"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from contracts.kinds import kind_spec
 from worker.engine.problem import unconnected
 
 if TYPE_CHECKING:
@@ -47,12 +48,14 @@ def _grads(tf: Any, op: Operator, tape: Any, y: Any, targets: list[Any], cotange
 
 def row_fn(tf: Any, op: Operator, kind: str, route: str, inputs: dict[str, Any]) -> Callable[[Any], Any]:
     """``one(seed) -> row`` (flat, compute dtype) against ``inputs``; reverse routes record the model's
-    forward pass here, once, and differentiate it per seed."""
+    forward pass here, once, and differentiate it per seed. The kind's spec says which product: seeds along
+    ``of`` (cotangents) give ``v^T J``, a kind that differentiates twice ``H v``, the others ``J v``."""
+    spec = kind_spec(kind)
     fn, of, dtype = op.model.fn, op.of, op.compute_dtype
     targets = op.axis.targets(op.model, inputs)
     zero = tf.UnconnectedGradients.ZERO
 
-    if kind == "vjp":
+    if spec.seeds == "of":   # v^T J
         tape = tf.GradientTape()  # not persistent: see strategies._row_fn
         with tape:
             tape.watch(targets)
@@ -60,14 +63,14 @@ def row_fn(tf: Any, op: Operator, kind: str, route: str, inputs: dict[str, Any])
         return lambda u: _flat(tf, _grads(tf, op, tape, y, targets, tf.cast(tf.reshape(u, tf.shape(y)), y.dtype)),
                                dtype)
 
-    if kind == "jvp" and route == "forward":
+    if not spec.scalar_of and route == "forward":   # J v
         def jvp(t: Any) -> Any:
             with tf.autodiff.ForwardAccumulator(targets, _pieces(tf, t, targets)) as acc:
                 y = fn(**inputs)[of]
             return tf.reshape(tf.cast(acc.jvp(y, unconnected_gradients=zero), dtype), [-1])
         return jvp
 
-    if kind == "jvp":  # J t = d/du <J^T u, t>: the VJP is linear in u, its derivative along t is J t
+    if not spec.scalar_of:  # J t = d/du <J^T u, t>: the VJP is linear in u, its derivative along t is J t
         outer = tf.GradientTape()
         with outer:
             with tf.GradientTape() as inner:
@@ -114,6 +117,15 @@ def tiled_ok(op: Operator) -> bool:
         s.shape.rank is not None and s.shape.rank >= 1 and s.shape[0] is None for s in specs.values())
 
 
+def tiled_route(kind: str) -> str | None:
+    """The route of ``kind``'s ``tiled`` label: forward mode for J v (products along ``of``), reverse for v^T J;
+    None for the kinds that differentiate twice (H v)."""
+    spec = kind_spec(kind)
+    if spec.scalar_of or not spec.routes:
+        return None
+    return "forward" if spec.product_axes == "of" else "reverse"
+
+
 def _tiled(tf: Any, op: Operator, kind: str, seeds: Any, inputs: dict[str, Any]) -> Any:
     """``k`` products in one pass over the inputs tiled ``k`` times: tangents (``jvp``, forward mode) or
     cotangents (``vjp``) of copy ``i`` are seed ``i``; rows flat, ``(k, n_of)`` or ``(k, n_wrt)``."""
@@ -121,7 +133,7 @@ def _tiled(tf: Any, op: Operator, kind: str, seeds: Any, inputs: dict[str, Any])
     tiled = {n: tf.tile(t, tf.concat([[k], tf.ones([tf.rank(t) - 1], tf.int32)], 0)) for n, t in inputs.items()}
     targets = [tiled[n] for n in op.axis.names]
     dtype = op.compute_dtype
-    if kind == "jvp":
+    if tiled_route(kind) == "forward":
         per_copy = tf.split(seeds, list(op.axis.sizes), num=len(targets), axis=1)
         tangents = [tf.cast(tf.reshape(p, tf.shape(t)), t.dtype) for p, t in zip(per_copy, targets)]
         with tf.autodiff.ForwardAccumulator(targets, tangents) as acc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -26,8 +26,29 @@ from worker.engine.trial import avoid_unseen, fall_back, mark_refined, maybe_tri
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunReport", "applicable_labels", "compute_in_memory", "default_plan", "execute", "rows_agree",
-           "run_problem"]
+__all__ = ["RunOptions", "RunReport", "applicable_labels", "compute_in_memory", "default_plan", "execute",
+           "rows_agree", "run_problem"]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How ``run_problem`` runs a problem. ``memory_budget_bytes``: at most this much device memory (None: the
+    free memory). ``chunk_rows``: force a chunk size (skips planning). ``strategy`` pins a strategy (no trial;
+    ``loop`` and ``eager`` remain as fallbacks). ``refine``: ``"auto"`` tries an alternative when it pays
+    (``worker.engine.tuning``), ``"never"`` does not (shards: every row computed alike), ``"always"`` tries
+    every alternative now. ``try_xla``: trials may try XLA forms (never under a CPU budget).
+    ``throughput_cap=False`` plans by memory alone (the largest chunk that fits), ignoring the measured rows/s
+    sweet spot; tests of the memory logic use it to be independent of timing. ``host_reserved_bytes``: host
+    memory the caller holds per job besides the chunks (the result writer's buffers); on a GPU chunks are
+    capped so that their rows fit on the host beside it."""
+
+    memory_budget_bytes: int | None = None
+    chunk_rows: int | None = None
+    strategy: str | None = None
+    refine: str = "auto"
+    try_xla: bool = True
+    throughput_cap: bool = True
+    host_reserved_bytes: int = 0
 
 
 @dataclass
@@ -55,27 +76,23 @@ def default_plan(problem: Problem, *, similar: str | None = None, key: Any = Non
     return Plan(strategy=order[0], key=key, source="default")
 
 
-def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tuple[int, int]] | None = None,
-                memory_budget_bytes: int | None = None, chunk_rows: int | None = None,
-                probe: MemoryProbe | None = None, strategy: str | None = None, refine: str = "auto",
-                try_xla: bool = True, on_plan: Callable[[dict[str, Any]], None] | None = None,
+def run_problem(problem: Problem, *, options: RunOptions | None = None, plan: Plan | None = None,
+                ranges: list[tuple[int, int]] | None = None, probe: MemoryProbe | None = None,
+                on_plan: Callable[[dict[str, Any]], None] | None = None,
                 on_chunk: Callable[[int, np.ndarray], None] | None = None,
-                should_stop: Callable[[], bool] | None = None, throughput_cap: bool = True,
-                host_reserved_bytes: int = 0) -> RunReport:
-    """Compute ``ranges`` of rows (default all) chunk by chunk; see docs/ENGINE_API.md.
+                should_stop: Callable[[], bool] | None = None) -> RunReport:
+    """Compute ``ranges`` of rows (default all) chunk by chunk, as ``options`` say (``RunOptions``; default:
+    its defaults); see docs/ENGINE_API.md.
 
     ``plan`` (from a plan cache; default: ``default_plan``) says which strategy runs and what is
     known of it; the returned ``report.learned`` is that plan updated with what this run measured,
-    for the caller to store. ``strategy`` pins a strategy (no trial; ``loop`` and ``eager`` remain
-    as fallbacks). ``refine``: ``"auto"`` tries an alternative when it pays (``worker.engine.tuning``),
-    ``"never"`` does not (shards: every row computed alike), ``"always"`` tries every alternative now.
-    ``throughput_cap=False`` plans by memory alone (the largest chunk that fits), ignoring the
-    measured rows/s sweet spot; tests of the memory logic use it to be independent of timing.
-    ``host_reserved_bytes``: host memory the caller holds per job besides the chunks (the result writer's
-    buffers); on a GPU chunks are capped so that their rows fit on the host beside it.
+    for the caller to store. ``probe``: the device's memory (default: the real probe for the device in use).
+    ``on_plan(status)`` hears when the strategy or the chunk size changes.
     ``on_chunk(start, rows)`` gets rows ``(n,) + row_shape`` in ``problem.dtype`` in ascending order.
     Raises EngineError (``Stopped`` when ``should_stop()`` turns true between chunks).
     """
+    options = options or RunOptions()
+    strategy, memory_budget_bytes = options.strategy, options.memory_budget_bytes
     prepare_gpus()  # a problem built from a model loaded elsewhere: growth and TF32 as load_model sets them
     probe = probe or TFMemoryProbe()
     t_start = time.perf_counter()
@@ -94,10 +111,10 @@ def run_problem(problem: Problem, *, plan: Plan | None = None, ranges: list[tupl
     if strategy is None:
         plan.strategy = strategy_for_job(problem, plan, applicable, sum(hi - lo for lo, hi in todo),
                                          budget_bytes=memory_budget_bytes)
-    run = ChunkRun(problem, plan, probe, budget=memory_budget_bytes, chunk_rows=chunk_rows,
-                   throughput_cap=throughput_cap, refine="never" if strategy is not None else refine,
-                   try_xla=try_xla, pinned=strategy is not None, on_plan=on_plan,
-                   host_reserved_bytes=host_reserved_bytes)
+    run = ChunkRun(problem, plan, probe, budget=memory_budget_bytes, chunk_rows=options.chunk_rows,
+                   throughput_cap=options.throughput_cap, refine="never" if strategy is not None else options.refine,
+                   try_xla=options.try_xla, pinned=strategy is not None, on_plan=on_plan,
+                   host_reserved_bytes=options.host_reserved_bytes)
     job_strategy = plan.strategy
     rows_done, compute_s = execute(run, todo, applicable, on_chunk=on_chunk, should_stop=should_stop)
     if plan.strategy == job_strategy and plan.record(steady).usable:
@@ -178,7 +195,8 @@ def compute_in_memory(model_or_path: Any, inputs: dict[str, Any], *, signature: 
                       of: str | None = None, wrt: str | None = None, kind: str = "jacobian", mode: str = "auto",
                       reduce: str | None = None, check_independence: bool = False,
                       output_dtype: str | None = None, **run_options: Any) -> tuple[np.ndarray, RunReport]:
-    """The whole result as one array of ``layout.shape`` (for tests, notebooks and benchmarks)."""
+    """The whole result as one array of ``layout.shape`` (for tests, notebooks and benchmarks). ``run_options``:
+    the fields of ``RunOptions`` and the other keywords of ``run_problem``, side by side."""
     from worker.engine.model import LoadedModel, load_model
     from worker.engine.problem import build_problem
 
@@ -193,10 +211,13 @@ def compute_in_memory(model_or_path: Any, inputs: dict[str, Any], *, signature: 
     def keep(start: int, rows: np.ndarray) -> None:
         flat[start:start + len(rows)] = rows
 
+    knobs = {f.name for f in fields(RunOptions)}
+    options = RunOptions(**{k: v for k, v in run_options.items() if k in knobs})
+    rest = {k: v for k, v in run_options.items() if k not in knobs}
     try:
-        report = run_problem(problem, on_chunk=keep, **run_options)
+        report = run_problem(problem, options=options, on_chunk=keep, **rest)
     except WrongRowsDelivered as err:  # every row again, with the plan that knows which strategy was wrong
-        report = run_problem(problem, on_chunk=keep, **{**run_options, "plan": err.learned})
+        report = run_problem(problem, options=options, on_chunk=keep, **{**rest, "plan": err.learned})
     whole = Block(0, 0, layout.rows_total, tuple(slice(0, d) for d in layout.shape), layout.iter_shape)
     out = np.ascontiguousarray(layout.place(whole, flat))
     return (out.reshape(()) if layout.shape == () else out), report

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from contracts.kinds import kind_spec
 from worker.engine import matfree_rules
 from worker.engine.errors import Stopped
 from worker.engine.matfree import MatFreeResult, Operator
@@ -309,6 +310,12 @@ def _mean(samples: np.ndarray) -> dict[str, float]:
 
 
 def spectral(op: Operator, kind: str, **options: Any) -> MatFreeResult:
-    """Kind ``svd``, ``hessian_eig`` or ``hessian_trace`` by name (``options`` as each function takes them)."""
-    functions = {"svd": svd, "hessian_eig": hessian_eig, "hessian_trace": hessian_trace}
-    return functions[kind](op, **options)
+    """Kind ``svd``, ``hessian_eig`` or ``hessian_trace`` by its spec's ``Spectrum.algorithm`` (``options`` as
+    each function takes them)."""
+    spectrum = kind_spec(kind).spectrum
+    if spectrum is None:
+        raise KeyError(kind)
+    return ALGORITHMS[spectrum.algorithm](op, **options)
+
+
+ALGORITHMS = {"subspace_iteration": svd, "lanczos": hessian_eig, "trace_estimate": hessian_trace}

@@ -41,9 +41,9 @@ def is_applicable(problem: Problem, strategy: str) -> bool:
     if name not in BASE_STRATEGIES or xla and name not in BATCHED:
         return False
     if name == "tiled":
-        return problem.kind != "hessian" and _batched(problem)
+        return not problem.spec.scalar_of and _batched(problem)   # not a Hessian
     if name == "per_example":
-        return problem.kind == "batch_jacobian" and _batched(problem)
+        return problem.spec.batch_axis and _batched(problem)
     return True
 
 
@@ -81,7 +81,7 @@ class ChunkKey:
 
 def _seed_dtype(problem: Problem) -> str:
     """Cotangents take ``of``'s dtype; tangents and Hessian-vector seeds take ``wrt``'s."""
-    if problem.mode == "reverse" and problem.kind != "hessian":
+    if problem.mode == "reverse" and not problem.spec.scalar_of:
         return problem.of_dtype
     var = problem.wrt_variable
     return (var.dtype if var is not None else problem.inputs[problem.wrt].dtype).name
@@ -95,7 +95,7 @@ def _seeds(tf: Any, problem: Problem, like_shape: Any, start: Any, k: Any) -> An
     dtype = _seed_dtype(problem)
     idx = start + tf.range(k, dtype=tf.int64)
     like_shape = tf.cast(like_shape, tf.int64)
-    if problem.kind == "batch_jacobian":
+    if problem.spec.batch_axis:
         depth = tf.cast(tf.reduce_prod(like_shape[1:]), tf.int32)
         onehot = tf.reshape(tf.one_hot(idx, depth=depth, dtype=dtype), tf.concat([[k, 1], like_shape[1:]], 0))
         return tf.broadcast_to(onehot, tf.concat([[k], like_shape], 0))
@@ -123,7 +123,7 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
     def scalar(y: Any) -> Any:
         return tf.reduce_sum(y) if problem.reduce == "sum" else y
 
-    if problem.kind == "hessian" and problem.mode == "forward":
+    if problem.spec.scalar_of and problem.mode == "forward":   # a Hessian, forward over reverse
         def hvp_forward(v: Any) -> Any:
             with tf.autodiff.ForwardAccumulator(target, v) as acc:
                 with tf.GradientTape() as tape:
@@ -133,7 +133,7 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
             return acc.jvp(g, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return tf.shape(target), hvp_forward
 
-    if problem.kind == "hessian":
+    if problem.spec.scalar_of:   # a Hessian, reverse over reverse
         outer = tf.GradientTape(persistent=True)
         with outer:
             outer.watch(target)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.files import write_atomically
+from contracts.kinds import Family, kind_spec, kinds_where
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _path(cache_dir: str, key: tuple[Any, ...]) -> Path:
     return Path(cache_dir) / "operators" / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".json")
 
 
-def _stored(cache_dir: str | None, key: tuple[Any, ...], routes: dict[str, tuple[str, ...]]) -> dict[str, str]:
+def _stored(cache_dir: str | None, key: tuple[Any, ...]) -> dict[str, str]:
     """The labels stored for ``key`` (only well-formed ones; anything unreadable is a miss)."""
     if not cache_dir or not key[1]:   # no fingerprint: the model cannot be recognised again
         return {}
@@ -52,10 +53,10 @@ def _stored(cache_dir: str | None, key: tuple[Any, ...], routes: dict[str, tuple
         return {}
 
     def valid(kind: object, label: object) -> bool:
-        if kind not in routes or not isinstance(label, str) or label.count("/") != 1:
+        if kind not in kinds_where(family=Family.products) or not isinstance(label, str) or label.count("/") != 1:
             return False
         route, strategy = label.split("/")
-        return route in routes[kind] and strategy in STRATEGIES
+        return route in kind_spec(str(kind)).routes and strategy in STRATEGIES
 
     return {k: v for k, v in raw["labels"].items() if valid(k, v)}
 
@@ -72,13 +73,13 @@ def _store(cache_dir: str | None, key: tuple[Any, ...], labels: dict[str, str]) 
 def cached_operator(model: Any, inputs: dict[str, Any], *, cache_dir: str | None = None, **options: Any) -> Any:
     """``worker.engine.matfree.build_operator(model, inputs, **options)`` whose chosen routes (``labels``) are shared
     with every operator of the same request in this process and, through ``cache_dir``, with later processes."""
-    from worker.engine.matfree import ROUTES, build_operator
+    from worker.engine.matfree import build_operator
 
     op = build_operator(model, inputs, **options)
     key = request_key(op)
     labels = model.compiled.choices.get(key)
     if labels is None:
-        labels = model.compiled.choices[key] = _stored(cache_dir, key, ROUTES)
+        labels = model.compiled.choices[key] = _stored(cache_dir, key)
     op.labels = labels
     op.on_choice = lambda: _store(cache_dir, key, dict(labels))
     return op
