@@ -55,6 +55,9 @@ def mobilenet_rows(root: Path, rank: int = 10) -> list[dict[str, Any]]:
         runs[label] = timed_process(ours + ["--job-id", f"svd_{label}"], env)
         rows.append({"what": f"jacobian compute --kind svd --rank {rank}, {label}", **runs[label]})
         print(rows[-1], flush=True)
+    rows.append({"what": "svd warm / cold (issue 24's goal: at most 0.5)",
+                 "ratio": round(runs["warm"]["s"] / runs["cold"]["s"], 2)})
+    print(rows[-1], flush=True)
     want = np.load(runs["peer"]["uri"]).astype(np.float64)
     for label in ("cold", "warm"):
         got = _s_values(runs[label]["uri"])
