@@ -3,7 +3,9 @@
 A worker is one process (rq ``SimpleWorker``, no fork), so its metrics live in their own registry,
 ``REGISTRY`` here, served by ``start_metrics_server(port)`` on ``JACOBIAN_WORKER_METRICS_PORT``;
 Prometheus scrapes every worker and sums. Labels never carry a job id or a path: ``kind`` is one of
-the three job kinds, ``status`` one of the terminal job statuses. Queue depth and submissions are
+the registry's kinds (``contracts.kinds``), ``status`` one of the terminal job statuses. "Rows" are the
+kind's units of work: Jacobian rows, seeds of a product kind, colours of a sparse job, iterations or
+samples of a spectral kind. Queue depth and submissions are
 the API's (``app/metrics.py``); jobs finished are counted here, where they finish.
 
 Do not set ``PROMETHEUS_MULTIPROC_DIR`` for workers (it is for several uvicorn processes of the API).
@@ -21,7 +23,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from contracts.kinds import Family, kinds_where
+from contracts.kinds import KINDS as KIND_SPECS
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 GCCollector(registry=REGISTRY)
 
-KINDS = kinds_where(family=Family.dense)   # the kind label's values; the other kinds are "other"
+KINDS = tuple(KIND_SPECS)   # the kind label's values: every kind of the registry (anything else: "other")
 FINISHED_STATUSES = ("succeeded", "failed", "canceled")
 _SECONDS_LONG = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200,
                  86400)

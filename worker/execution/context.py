@@ -26,6 +26,10 @@ def _ignore(_: Any) -> None:
     return None
 
 
+def _ignore_units(kind: str, units: int, nbytes: int, seconds: float) -> None:
+    return None
+
+
 @dataclass
 class RunContext:
     """What an executor needs to run ``job`` (a ``QueuedJob``: kind, of, wrt, options, ``rows`` of a shard).
@@ -33,9 +37,11 @@ class RunContext:
     ``load_inputs``/``load_model`` give the request's tensors (the seeds under ``SEEDS_MEMBER``) and the
     loaded model; the worker checks the model root, ``jacobian compute`` reads local files. ``budget_bytes``:
     the memory cap (job's, else the settings'); ``block_bytes``: storage blocks, the unit of resume and shards.
-    ``on_progress``/``on_plan`` receive progress and the plan as they change; ``should_stop`` raises nothing,
-    it answers whether to stop (cancel) before the next chunk. ``store`` is None outside the service (no
-    shards, no shared caches).
+    ``on_progress``/``on_plan`` receive progress and the plan as they change; ``on_units(kind, units, bytes,
+    seconds)`` hears of each piece of work done by the kinds whose progress goes through ``counter`` or
+    ``units_done`` (seeds, colours, iterations, stacked rows: the worker's Prometheus series);
+    ``should_stop`` raises nothing, it answers whether to stop (cancel) before the next chunk. ``store`` is
+    None outside the service (no shards, no shared caches).
     """
 
     job: QueuedJob
@@ -46,6 +52,7 @@ class RunContext:
     created_at: float | None = None
     on_progress: Callable[[Progress], None] = _ignore
     on_plan: Callable[[dict[str, Any]], None] = _ignore
+    on_units: Callable[[str, int, int, float], None] = _ignore_units
     should_stop: Callable[[], bool] = _never
     probe: Any = None
     plans: PlanCache | None = None
@@ -87,9 +94,18 @@ class RunContext:
     def counter(self, total: int | None = None) -> Callable[[int, int | None], None]:
         """``(done, total)`` callbacks (seeds, iterations, colours) as ``Progress`` to ``on_progress``."""
         started = time.monotonic()
+        last = [0, started]
 
         def report(done: int, now_total: int | None = total) -> None:
-            rate = done / max(time.monotonic() - started, 1e-9)
+            now = time.monotonic()
+            rate = done / max(now - started, 1e-9)
+            if done > last[0]:
+                self.units_done(done - last[0], 0, now - last[1])
+            last[:] = [max(done, last[0]), now]
             self.on_progress(Progress.of(done, max(now_total or done, done), rate))
 
         return report
+
+    def units_done(self, units: int, nbytes: int, seconds: float) -> None:
+        """``units`` of this job's work done in ``seconds`` (``nbytes`` of result handed to storage)."""
+        self.on_units(self.job.kind.value, units, nbytes, seconds)

@@ -125,9 +125,14 @@ class Stacked:
         ctx.on_plan(plan)
         try:
             for start, stop in self.runs(writer):
-                def keep(offset: int, products: np.ndarray, start: int = start) -> None:
-                    writer.write_rows(start + offset, self.rows(products))
+                last = [time.monotonic()]
+
+                def keep(offset: int, products: np.ndarray, start: int = start, last: list[float] = last) -> None:
+                    rows = self.rows(products)
+                    writer.write_rows(start + offset, rows)
                     meter.add(len(products))
+                    ctx.units_done(len(products), int(rows.nbytes), time.monotonic() - last[0])
+                    last[0] = time.monotonic()
                     ctx.on_progress(meter.snapshot())
 
                 op.apply(self.product, op._seeds(self.product, self.seeds(start, stop)), chunk_size=ctx.chunk_rows,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from worker import metrics
 from worker.execution import RunContext
 from worker.inputs import check_model_path, effective_budget, load_inputs
 from worker.runs.attempt import Attempt
@@ -40,7 +41,8 @@ class ComputingAttempt(Attempt):
         return RunContext(job=job, load_inputs=inputs, load_model=model,
                           budget_bytes=effective_budget(job.memory_budget_bytes, settings.memory_budget_bytes),
                           block_bytes=settings.block_bytes, created_at=created_at, on_progress=on_progress,
-                          on_plan=on_plan, should_stop=should_stop, probe=self.probe, plans=self.plans,
+                          on_plan=on_plan, on_units=metrics.observe_chunk, should_stop=should_stop,
+                          probe=self.probe, plans=self.plans,
                           store=self.store, cache_dir=str(settings.cache_dir) if settings.cache_dir else None,
                           try_xla=settings.try_xla)
 
