@@ -70,10 +70,12 @@ def jsonable(value: Any) -> Any:
 
 
 def write_manifest(job_folder: str, manifest: dict[str, Any]) -> str:
-    """``manifest.json`` in the job's folder (written last: its presence means the result is complete);
-    returns its URL."""
+    """``manifest.json`` (last: its presence means complete) as a ``contracts.manifest.Manifest``, for every
+    family; returns its URL."""
+    from contracts.manifest import Manifest
+    checked = Manifest.model_validate(jsonable(manifest)).dump()
     url = storage.join(job_folder, MANIFEST)
-    storage.write_bytes(url, json.dumps(jsonable(manifest), indent=2, sort_keys=True).encode())
+    storage.write_bytes(url, json.dumps(checked, indent=2, sort_keys=True).encode())
     return url
 
 
