@@ -100,6 +100,7 @@ class DiskPlanCache:
         try:
             self._write(self._path(plan.key.digest), plan.dumps())
             self._write(self._path("family-" + plan.key.family), json.dumps({"strategy": plan.strategy}))
+            self._write(self._path("request-" + plan.key.request), plan.dumps())   # for dry runs (contracts.plans)
         except OSError as err:  # a full or read-only disk costs the next job a plan, nothing more
             log.warning("plan cache %s is not writable (%s)", self.root, err)
 
