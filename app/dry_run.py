@@ -4,15 +4,12 @@ nothing is queued, no record or idempotency key is written, nothing is stored.""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from app import checks
 from app.routes.models import load_signature
 from app.submit import validate
 from contracts import plans
-from contracts.jobspec import SEEDS_MEMBER, QueuedJob
 from contracts.jobstore import JobStore
-from contracts.kinds import Family, kind_spec
 from contracts.quote import Quote, Shapes, quote
 from contracts.settings import Settings
 
@@ -26,19 +23,7 @@ def dry_run(body: bytes, media: str, query: Mapping[str, str], *, settings: Sett
                                   op_allow=settings.model_op_allow, path_field="model.path",
                                   signature_field="model.signature")
     shapes: Shapes = {n: (tuple(int(d) for d in a.shape), a.dtype.name) for n, a in arrays.items()}
-    request = plan_request(queued, shapes)
+    request = plans.plan_request(queued, shapes)
     plan = plans.redis_plan(store.connection, request) if request else None
     return quote(queued, sig, info.variables_of(sig.name), shapes, memory_budget_bytes=settings.memory_budget_bytes,
                  plan=plan, plan_name=plans.digest(plan["key"]) if plan else "")
-
-
-def plan_request(queued: QueuedJob, shapes: Shapes) -> str | None:
-    """The request digest of this job's plan (``contracts.plans``): dense kinds only, which are planned."""
-    kind = kind_spec(queued.kind)
-    if kind.family is not Family.dense or queued.sparsity is not None:
-        return None
-    key: dict[str, Any] = plans.request_key_json(
-        model=plans.model_fingerprint(queued.model.path), signature=queued.model.signature, of=queued.of or "",
-        wrt=queued.wrt, kind=kind.name, mode=queued.mode.value, reduce=queued.reduce,  # type: ignore[arg-type]
-        inputs=[(n, s, d) for n, (s, d) in shapes.items() if n != SEEDS_MEMBER], batch_axis=kind.batch_axis)
-    return plans.request_digest(key)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ def request_digest(key_json: dict[str, Any]) -> str:
     return digest({k: v for k, v in key_json.items() if k not in DEVICE_FIELDS})
 
 
-def request_key_json(*, model: str, signature: str, of: str, wrt: str, kind: str, mode: str, reduce: str | None,
+def request_key_json(*, model: str, signature: str, of: str, wrt: Any, kind: str, mode: str, reduce: str | None,
                      inputs: list[tuple[str, tuple[int, ...], str]], batch_axis: bool) -> dict[str, Any]:
     """A plan key's JSON as the worker writes it, less the device fields: ``inputs`` are (name, shape, dtype)
     of every model input, sorted here; a per-example kind's batch size is bucketed, as the worker does."""
@@ -47,6 +48,31 @@ def request_key_json(*, model: str, signature: str, of: str, wrt: str, kind: str
         rows.append([name, [int(d) for d in shape], dtype])
     return {"model": model, "signature": signature, "of": of, "wrt": wrt, "kind": kind, "mode": mode,
             "reduce": reduce, "inputs": rows, "format": PLAN_FORMAT}
+
+
+def plan_request(queued: Any, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> str | None:
+    """The request digest of a validated job's plan (``queued``: a ``QueuedJob``, ``of`` and ``wrt`` resolved;
+    ``shapes``: each input's shape and dtype): dense kinds without sparsity only, which are the planned ones."""
+    from contracts.jobspec import SEEDS_MEMBER
+    from contracts.kinds import Family, kind_spec
+
+    kind = kind_spec(queued.kind)
+    if kind.family is not Family.dense or queued.sparsity is not None:
+        return None
+    inputs = [(n, s, d) for n, (s, d) in shapes.items() if n != SEEDS_MEMBER]
+    key = request_key_json(model=model_fingerprint(queued.model.path), signature=queued.model.signature,
+                           of=queued.of or "", wrt=queued.wrt, kind=kind.name, mode=queued.mode.value,
+                           reduce=queued.reduce, inputs=inputs, batch_axis=kind.batch_axis)
+    return request_digest(key)
+
+
+def default_cache_dir() -> Path:
+    """``JACOBIAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/jacobian``, else ``~/.cache/jacobian``."""
+    explicit = os.environ.get("JACOBIAN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "jacobian"
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from contracts.files import write_atomically
+from contracts.plans import default_cache_dir as default_cache_dir  # re-exported: the engine's name for it
 from worker.engine.plan import Plan, PlanKey
 
 log = logging.getLogger(__name__)
@@ -63,15 +64,6 @@ class MemoryPlanCache:
 
     def family_strategy(self, key: PlanKey) -> str | None:
         return self._families.get(key.family)
-
-
-def default_cache_dir() -> Path:
-    """``JACOBIAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/jacobian``, else ``~/.cache/jacobian``."""
-    explicit = os.environ.get("JACOBIAN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "jacobian"
 
 
 class DiskPlanCache:
