@@ -4,6 +4,7 @@ its prediction is a guess before any job ran on the model and the persisted plan
 from __future__ import annotations
 
 import io
+import json
 import math
 import time
 from pathlib import Path
@@ -121,3 +122,25 @@ def test_dry_run_latency_on_a_warm_api(client, capsys):
         times.append(time.perf_counter() - t0)
     with capsys.disabled():
         print(f"\ndry run on a warm API: median {1000 * sorted(times)[10]:.1f} ms, max {1000 * max(times):.1f} ms")
+
+
+def test_client_quote_and_cli_submit_dry_run(client, redis_conn, results, monkeypatch, capsys, tmp_path):
+    from jacobian import cli, cli_client
+    from jacobian.client import JacobianClient, JacobianError
+
+    x = np.ones((3, 8), np.float32)
+    before = snapshot(redis_conn, results)
+    with JacobianClient("http://testserver", transport=client._transport) as jc:
+        quoted = jc.quote("mlp", {"x": x}, kind="batch_jacobian")
+        assert quoted.kind == "batch_jacobian" and quoted.result_bytes == 3 * 4 * 8 * 4 and quoted.guess
+        assert quoted.arrays[0].shape == [3, 4, 8]
+        with pytest.raises(JacobianError) as refused:
+            jc.quote("mlp", {"x": x}, of="nope")
+        assert refused.value.status_code == 422
+    monkeypatch.setattr(cli_client, "_client", lambda args: JacobianClient("http://testserver",
+                                                                          transport=client._transport))
+    np.savez(tmp_path / "x.npz", x=x)
+    assert cli.main(["submit", "--model", "mlp", "--input", str(tmp_path / "x.npz"), "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["kind"] == "jacobian" and printed["result_bytes"] == 3 * 4 * 3 * 8 * 4
+    assert snapshot(redis_conn, results) == before
