@@ -137,11 +137,36 @@ def check_result_size(options: JobOptions, sig: Signature, of: str, wrt: str, ar
         elements = wrt_shape[0] * math.prod(of_shape[1:]) * math.prod(wrt_shape[1:])
     else:
         elements = math.prod(of_shape) * math.prod(wrt_shape)
-    size = elements * np.dtype(rules.result_dtype(of_spec.dtype, wrt_spec.dtype, options.output_dtype)).itemsize
+    itemsize = np.dtype(rules.result_dtype(of_spec.dtype, wrt_spec.dtype, options.output_dtype)).itemsize
+    size = elements * itemsize
     if size > max_result_bytes:
+        rows = math.prod(wrt_shape) if spec.scalar_of else math.prod(of_shape[1:] if spec.batch_axis else of_shape)
+        fits = what_would_fit(options, size=size, rows=rows, itemsize=itemsize, max_result_bytes=max_result_bytes,
+                              shared_batch=bool(of_shape and wrt_shape and of_shape[0] == wrt_shape[0] > 1),
+                              wrt_is_input=not wrt.startswith(VARIABLE_PREFIX))
         raise InvalidRequest(f"inputs: the result would be {size} bytes, over the limit of {max_result_bytes} "
-                             "(JACOBIAN_MAX_RESULT_BYTES); use smaller inputs, kind='batch_jacobian' for "
-                             "independent examples, or output_dtype='float16'", field="inputs")
+                             f"(JACOBIAN_MAX_RESULT_BYTES); what would fit: {fits}", field="inputs")
+
+
+def what_would_fit(options: JobOptions, *, size: int, rows: int, itemsize: int, max_result_bytes: int,
+                   shared_batch: bool, wrt_is_input: bool) -> str:
+    """The ways a dense job of ``size`` result bytes in ``rows`` rows comes under ``max_result_bytes``, in
+    words: fewer rows, ``batch_jacobian``, a matrix-free kind, ``sparsity``, a 16-bit ``output_dtype``."""
+    kind = kind_spec(options.kind)
+    per_row = max(1, size // max(1, rows))
+    ways = [f"fewer rows: a smaller input (at most {max_result_bytes // per_row} of these {rows} rows fit)"]
+    if shared_batch and not kind.batch_axis and not kind.scalar_of:
+        ways.append("kind='batch_jacobian' when the examples of the batch are independent (of and wrt share their "
+                    "batch axis: one block per example, the batch size times fewer bytes)")
+    ways.append("a matrix-free kind: 'jvp' or 'vjp' (products with your seeds), 'svd' (the largest singular values)"
+                if not kind.scalar_of else "a matrix-free kind: 'hvp', 'hessian_eig' or 'hessian_trace'")
+    if kind.sparsity and wrt_is_input and options.sparsity is None:
+        ways.append("sparsity='auto' (only the non-zeros are stored, as COO)")
+    if itemsize > 2:
+        half = size // itemsize * 2
+        fit = ", which fits" if half <= max_result_bytes else ""
+        ways.append(f"output_dtype='float16' or 'bfloat16' ({half} bytes{fit})")
+    return "; ".join(ways)
 
 
 def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[str, Described],
@@ -214,9 +239,12 @@ def check_sources(options: JobOptions, sig: Signature, of: str, wrt: str | list[
     elements = total * total if kind.scalar_of else of_elements * total
     size = elements * np.dtype(rules.result_dtype(dtype, dtype, options.output_dtype)).itemsize
     if size > max_result_bytes:
+        itemsize = np.dtype(rules.result_dtype(dtype, dtype, options.output_dtype)).itemsize
+        fits = what_would_fit(options, size=size, rows=total if kind.scalar_of else of_elements, itemsize=itemsize,
+                              max_result_bytes=max_result_bytes, shared_batch=False, wrt_is_input=False)
         raise InvalidRequest(f"wrt: the result over these {len(names)} sources would be {size} bytes, over the "
-                             f"limit of {max_result_bytes} (JACOBIAN_MAX_RESULT_BYTES); name fewer sources, use a "
-                             "matrix-free kind (jvp, vjp, svd, ...) or output_dtype='float16'", field="wrt")
+                             f"limit of {max_result_bytes} (JACOBIAN_MAX_RESULT_BYTES); what would fit: fewer "
+                             f"sources; {fits}", field="wrt")
 
 
 # -- sparsity ------------------------------------------------------------------------------------------

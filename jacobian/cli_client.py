@@ -75,6 +75,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
                "precision": args.precision, "rank": args.rank, "tol": args.tol, "samples": args.samples,
                "sparsity": sparsity_option(args.sparsity)}
     with _client(args) as client:
+        if args.dry_run:
+            try:
+                quoted = client.quote_npz(args.model, body, signature=args.signature, **options)
+            except JacobianError as exc:
+                return _fail(exc.type, exc.message)
+            print(quoted.model_dump_json(indent=2), flush=True)
+            return 0
         try:
             job_id = client.submit_npz(args.model, body, signature=args.signature,
                                        idempotency_key=args.idempotency_key, **options)
@@ -314,6 +321,8 @@ def register(sub: Any) -> None:
                    ".npz with int arrays rows and cols under the results storage")
     p.add_argument("--idempotency-key", metavar="KEY", help="same key and inputs: the same job (default: a new key)")
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar on stderr")
+    p.add_argument("--dry-run", action="store_true", help="print the API's quote as JSON (POST ?dry_run=true: result "
+                   "bytes, passes, predicted peak memory and time) and exit; nothing is queued")
     _waiting(p)
     _common(p)
     from jacobian.cli_matfree import add_arguments as add_matfree_arguments

@@ -39,7 +39,6 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from worker.main import configure_devices
 
     settings = get_settings()
-    configure_devices(settings)
     job_id = args.job_id or uuid.uuid4().hex
     wrt = args.wrt[0] if args.wrt and len(args.wrt) == 1 else args.wrt
     options = {"of": args.of, "wrt": wrt, "kind": args.kind, "mode": args.mode, "reduce": args.reduce,
@@ -52,6 +51,9 @@ def cmd_compute(args: argparse.Namespace) -> int:
     except ValidationError as err:
         print(f"error: {cli_spelling(err)}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return _dry_run(job, args, settings)
+    configure_devices(settings)
     progress = RowProgress(sys.stderr)  # a bar on a terminal, else a line every 10 s and the last one
 
     def on_plan(plan: dict[str, Any]) -> None:
@@ -75,6 +77,23 @@ def cmd_compute(args: argparse.Namespace) -> int:
         progress.close()
     print(done_line(manifest, time.perf_counter() - _STARTED), file=sys.stderr, flush=True)
     print(manifest["uri"], flush=True)
+    return 0
+
+
+def _dry_run(job: Any, args: argparse.Namespace, settings: Any) -> int:
+    """Print the quote (JSON) of this run and exit 0; nothing is computed, loaded into TensorFlow or written."""
+    from contracts import npz
+    from contracts.rules import RuleViolation
+    from contracts.savedmodel import SavedModelError, SignatureNotFound
+    from jacobian.cli_quote import local_quote
+
+    try:
+        quoted = local_quote(job, inputs_path=args.input, seeds_path=args.seeds, cache_dir=settings.cache_dir,
+                             memory_budget_bytes=args.memory_budget or settings.memory_budget_bytes)
+    except (RuleViolation, SavedModelError, SignatureNotFound, npz.NpzError, OSError, ValueError) as err:
+        print(f"error: {as_flag(str(err))}", file=sys.stderr)
+        return 2
+    print(quoted.model_dump_json(indent=2), flush=True)
     return 0
 
 
@@ -145,6 +164,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--job-id", help="result folder name under --out (default: a new id)")
     p.add_argument("--out", required=True, help="results URL: a directory or s3://bucket/prefix")
+    p.add_argument("--dry-run", action="store_true", help="print the quote as JSON (result bytes, passes, predicted "
+                   "peak memory and time, from this machine's plan of the request when there is one) and exit; "
+                   "nothing is computed or written")
     add_matfree_arguments(p)
     add_sparse_arguments(p)
     p.set_defaults(func=cmd_compute, needs=("worker",))

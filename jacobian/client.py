@@ -34,6 +34,7 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
+from contracts.quote import Quote
 from contracts.records import JobAccepted, JobList, JobPublic
 from jacobian.results import (
     coo_of,
@@ -174,29 +175,28 @@ class JacobianClient:
         kinds' ``rank``, ``tol``, ``samples`` and ``seeds``, an array sent as the member ``__seeds__``; ``wrt``
         may be a list; ``sparsity``: ``"auto"``, ``{"pattern_from": job_id}`` or ``{"pattern_uri": url}``);
         ``None`` values are left out."""
-        arrays = {name: np.asarray(value) for name, value in inputs.items()}
-        seeds = options.pop("seeds", None)
-        if seeds is not None:  # jvp, vjp, hvp: the .npz member the API takes seeds from
-            arrays["__seeds__"] = np.asarray(seeds)
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        return self.submit_npz(model_path, buf.getvalue(), signature=signature, idempotency_key=idempotency_key,
-                               **options)
+        body = _npz_body(inputs, options)
+        return self.submit_npz(model_path, body, signature=signature, idempotency_key=idempotency_key, **options)
+
+    def quote(self, model_path: str, inputs: Mapping[str, np.ndarray], *, signature: str = "serving_default",
+              **options: Any) -> Quote:
+        """What ``submit`` with the same arguments would cost, as a typed ``Quote`` (``POST /v1/jobs?dry_run=true``):
+        result arrays and bytes, passes, predicted peak memory and seconds and whether they are a guess. Every check
+        of a submission runs (a refusal raises ``JacobianError`` naming what would fit); nothing is queued."""
+        body = _npz_body(inputs, options)
+        return self.quote_npz(model_path, body, signature=signature, **options)
+
+    def quote_npz(self, model_path: str, npz: bytes, *, signature: str = "serving_default", **options: Any) -> Quote:
+        """``quote`` with the inputs already encoded as ``.npz`` bytes."""
+        params = {**_query(model_path, signature, options), "dry_run": "true"}
+        response = self._request("POST", "/v1/jobs", params=params, content=npz, safe_to_retry=True,
+                                 headers={"Content-Type": NPZ_MEDIA_TYPE})
+        return Quote.model_validate(_checked_json(response, Quote))
 
     def submit_npz(self, model_path: str, npz: bytes, *, signature: str = "serving_default",
                    idempotency_key: str | None = None, **options: Any) -> str:
         """``submit`` with the inputs already encoded as ``.npz`` bytes (e.g. read from a file)."""
-        params = {"model_path": model_path, "signature": signature}
-        for name, value in options.items():
-            if value is None:
-                continue
-            if isinstance(value, bool):
-                value = "true" if value else "false"
-            elif isinstance(value, (list, tuple)):  # several wrt: comma-separated in the query
-                value = ",".join(map(str, value))
-            elif isinstance(value, (dict, BaseModel)):  # sparsity={"pattern_from": id}: the JSON object
-                value = json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)
-            params[name] = str(getattr(value, "value", value))
+        params = _query(model_path, signature, options)
         # A key of our own makes retrying the POST after a dropped connection safe: same key, same job.
         key = idempotency_key or f"client-{uuid.uuid4().hex}"
         response = self._request("POST", "/v1/jobs", params=params, content=npz, safe_to_retry=True,
@@ -327,6 +327,33 @@ class JacobianClient:
         if record.result is None:
             raise JacobianError("JobNotFinished", f"id: job {job_id!r} has no result uri", status_code=409)
         return record.result.uri
+
+
+def _npz_body(inputs: Mapping[str, np.ndarray], options: dict[str, Any]) -> bytes:
+    """The inputs as an ``.npz`` body; ``seeds`` (popped from ``options``) as the member ``__seeds__``."""
+    arrays = {name: np.asarray(value) for name, value in inputs.items()}
+    seeds = options.pop("seeds", None)
+    if seeds is not None:  # jvp, vjp, hvp: the .npz member the API takes seeds from
+        arrays["__seeds__"] = np.asarray(seeds)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _query(model_path: str, signature: str, options: Mapping[str, Any]) -> dict[str, str]:
+    """The query parameters of an ``.npz`` POST: the options (``None`` left out) in their query spelling."""
+    params = {"model_path": model_path, "signature": signature}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        elif isinstance(value, (list, tuple)):  # several wrt: comma-separated in the query
+            value = ",".join(map(str, value))
+        elif isinstance(value, (dict, BaseModel)):  # sparsity={"pattern_from": id}: the JSON object
+            value = json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)
+        params[name] = str(getattr(value, "value", value))
+    return params
 
 
 def _checked_json(response: httpx.Response, model: type[BaseModel]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import redis
 
+from contracts.plans import REQUEST_KEY_TEMPLATE
 from worker.engine.plan import Plan, PlanKey
 from worker.engine.plan_cache import DiskPlanCache, PlanCache, TieredPlanCache, _checked_plan
 
@@ -15,8 +16,9 @@ log = logging.getLogger(__name__)
 
 class RedisPlanCache:
     """``jacobian:plan:{digest}`` holds a plan (JSON), ``jacobian:plan-family:{family}`` the strategy
-    of the last plan of that family. Plans expire after ``ttl_s`` unused (each read renews them).
-    Redis errors are misses: a cache never fails a job."""
+    of the last plan of that family, ``jacobian:plan-request:{request}`` the last plan of that request on
+    any device (what a dry run quotes from, ``contracts.plans``). Plans expire after ``ttl_s`` unused
+    (each read renews them). Redis errors are misses: a cache never fails a job."""
 
     plan_key_template = "jacobian:plan:{digest}"
     family_key_template = "jacobian:plan-family:{family}"
@@ -44,6 +46,7 @@ class RedisPlanCache:
             with self.connection.pipeline() as pipe:
                 pipe.set(self.plan_key_template.format(digest=plan.key.digest), plan.dumps(), ex=self.ttl_s)
                 pipe.set(self.family_key_template.format(family=plan.key.family), plan.strategy, ex=self.ttl_s)
+                pipe.set(REQUEST_KEY_TEMPLATE.format(digest=plan.key.request), plan.dumps(), ex=self.ttl_s)
                 pipe.execute()
         except redis.RedisError as err:
             log.warning("plan %s: not stored in Redis (%s)", plan.key.digest, err)

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from app import inputs as tensors
 from app import rows as result_rows
 from app.deps import JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
+from app.dry_run import dry_run as quote_job
 from app.errors import ApiError, ClientClosedRequest, InvalidRequest, error_responses
 from app.job_storage import open_result, remove_job_files
 from app.metrics import JOBS_CANCELED, JOBS_REJECTED
@@ -30,6 +31,7 @@ from app.submit import JSON_MEDIA_TYPE, read_body, submit
 from app.submit import enqueue as enqueue  # re-exported: bench/bench_shards.py enqueues as the API does
 from contracts.jobspec import JobOptions, JobStatus
 from contracts.layout import SPARSE_FORMAT
+from contracts.quote import Quote
 from contracts.records import ErrorInfo, JobAccepted, JobList, JobPublic
 
 NPY_MEDIA_TYPE = "application/octet-stream"
@@ -58,21 +60,30 @@ _SUBMIT_OPENAPI: dict[str, Any] = {
 
 
 @router.post("", status_code=202, response_model=JobAccepted, openapi_extra=_SUBMIT_OPENAPI,
-             responses={400: {"description": "malformed body"}, 403: {"description": "model path not allowed"},
+             responses={200: {"model": Quote, "description": "dry_run=true: the quote; nothing queued or written"},
+                        400: {"description": "malformed body"}, 403: {"description": "model path not allowed"},
                         408: {"description": "the body stalled"}, 413: {"description": "body or inputs too large"},
                         415: {"description": "unsupported Content-Type"}, 422: {"description": "invalid request"}})
 async def create_job(
     request: Request, settings: SettingsDep, store: StoreDep, queue: QueueDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    dry_run: Annotated[bool, Query(description="true: run every check, then answer 200 with the quote (result "
+                                   "bytes, passes, predicted peak memory and time, whether they are guesses); "
+                                   "nothing is queued or written")] = False,
 ) -> JSONResponse:
     """Validate a job against the model's signature, store its inputs, queue it: ``202`` and ``Location``.
 
     JSON body (``JobCreate``) or an ``.npz`` body (``Content-Type: application/x-npz``) with the
-    options as query parameters. Nothing is stored or queued when validation fails.
+    options as query parameters. Nothing is stored or queued when validation fails. ``dry_run=true``
+    (with either body): the same checks and refusals, then ``200`` with the ``Quote``, nothing written.
     """
+    query = {k: v for k, v in request.query_params.items() if k != "dry_run"}
     try:
         body, media = await read_body(request, settings)
-        job_id, status = await run_in_threadpool(submit, body, media, dict(request.query_params), settings=settings,
+        if dry_run:
+            quoted = await run_in_threadpool(quote_job, body, media, query, settings=settings, store=store)
+            return JSONResponse(quoted.model_dump(mode="json"), status_code=200)
+        job_id, status = await run_in_threadpool(submit, body, media, query, settings=settings,
                                                  store=store, queue=queue, idempotency_key=idempotency_key)
     except ClientClosedRequest:
         raise  # not a refusal: nobody is left to read the answer

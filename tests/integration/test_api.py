@@ -569,8 +569,10 @@ def test_openapi_docs(client):
     spec = client.get("/openapi.json").json()
     post = spec["paths"]["/v1/jobs"]["post"]
     assert set(post["requestBody"]["content"]) == {"application/json", "application/x-npz"}
-    # the .npz options are described, not declared as query parameters (which a JSON body refuses)
-    assert not [p for p in post.get("parameters", []) if p["in"] == "query"]
+    # the .npz options are described, not declared as query parameters (which a JSON body refuses); dry_run,
+    # which either body takes, is the one declared, and its 200 answers the Quote
+    assert [p["name"] for p in post.get("parameters", []) if p["in"] == "query"] == ["dry_run"]
+    assert post["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Quote"}
     assert "model_path required" in post["requestBody"]["description"]
     assert "JobCreate" in spec["components"]["schemas"] and "TensorIn" in spec["components"]["schemas"]
     for path in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/result",

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from contracts import rules
+from contracts.plans import model_fingerprint as model_fingerprint  # re-exported: plans are keyed by it
 from contracts.savedmodel import Shape, strip_variable_suffix, variable_names
 from worker.engine.errors import InvalidRequest, NotDifferentiable
 
@@ -167,33 +164,6 @@ def _graph_ops(fn: Any) -> int:
     except Exception:  # noqa: BLE001 - a size estimate only
         return 0
     return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
-
-
-def model_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of ``saved_model.pb`` and ``variables/variables.index`` (hex, 32 characters).
-
-    A re-exported model (new graph or new weights) has another fingerprint, so its plans are misses.
-    """
-    root = Path(path)
-    parts = []
-    for rel in ("saved_model.pb", "variables/variables.index"):
-        f = root / rel
-        try:
-            st = f.stat()
-        except OSError:
-            parts.append(f"{rel}:absent")
-            continue
-        parts.append(f"{rel}:{_file_sha256(str(f), st.st_mtime_ns, st.st_size)}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
-
-
-@lru_cache(maxsize=256)
-def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def describe_signature(model: LoadedModel) -> dict[str, dict[str, dict[str, Any]]]:

@@ -11,15 +11,14 @@ kind and TensorFlow version; any change of these is another key, never a wrong p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from contracts.plans import PLAN_FORMAT, request_digest
+from contracts.plans import digest as _digest
 from worker.engine.planner import LinearFit, bucket_rows
-
-PLAN_FORMAT = 2  # bump when the meaning of a stored plan changes: older plans become misses
 
 
 def strategy_label(name: str, xla: bool) -> str:
@@ -68,9 +67,10 @@ class PlanKey:
         """The same request on other input shapes: where a default strategy may come from."""
         return _digest({k: v for k, v in self.to_json().items() if k != "inputs"})
 
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
+    @property
+    def request(self) -> str:
+        """The key without device and TensorFlow version: what the API finds a plan by (``contracts.plans``)."""
+        return request_digest(self.to_json())
 
 
 def batch_bucketed(shape: tuple[int, ...]) -> tuple[int, ...]:

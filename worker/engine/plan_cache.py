@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from contracts.files import write_atomically
+from contracts.plans import default_cache_dir as default_cache_dir  # re-exported: the engine's name for it
 from worker.engine.plan import Plan, PlanKey
 
 log = logging.getLogger(__name__)
@@ -65,15 +66,6 @@ class MemoryPlanCache:
         return self._families.get(key.family)
 
 
-def default_cache_dir() -> Path:
-    """``JACOBIAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/jacobian``, else ``~/.cache/jacobian``."""
-    explicit = os.environ.get("JACOBIAN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "jacobian"
-
-
 class DiskPlanCache:
     """Plans as JSON files under ``root/plans/`` (written atomically; unreadable files are misses)."""
 
@@ -100,6 +92,7 @@ class DiskPlanCache:
         try:
             self._write(self._path(plan.key.digest), plan.dumps())
             self._write(self._path("family-" + plan.key.family), json.dumps({"strategy": plan.strategy}))
+            self._write(self._path("request-" + plan.key.request), plan.dumps())   # for dry runs (contracts.plans)
         except OSError as err:  # a full or read-only disk costs the next job a plan, nothing more
             log.warning("plan cache %s is not writable (%s)", self.root, err)
 

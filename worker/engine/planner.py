@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from contracts.plans import bucket_rows as bucket_rows  # re-exported: the engine's name for it
 from worker.engine.errors import MemoryBudgetTooSmall
 
 
@@ -32,10 +33,6 @@ def fit_linear(k1: int, v1: float, k2: int, v2: float) -> LinearFit:
     fixed = max(0.0, v2 - per_row * k2)
     return LinearFit(fixed=fixed, per_row=per_row)
 
-
-def bucket_rows(rows: int) -> int:
-    """The power-of-two bucket that holds ``rows`` (1 -> 1, 5 -> 8)."""
-    return 1 << max(0, math.ceil(math.log2(max(1, rows))))
 
 
 def plan_chunk(*, rows_total: int, memory: LinearFit, free_bytes: int, budget_bytes: int | None = None,

@@ -1,0 +1,272 @@
+"""A job's quote before the work (``POST /v1/jobs?dry_run=true``, ``jacobian compute --dry-run``).
+
+``quote`` is pure (no TensorFlow, no I/O): from the validated spec, the shapes of the inputs and the
+signature, the settings and the persisted plan of this request when one exists (``contracts.plans``), it
+says what the job would store (bytes per result array), how many passes it takes (rows, products,
+colours), and its predicted peak memory and time, saying whether those are measured (a plan) or guessed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from contracts import rules
+from contracts.jobspec import SEEDS_MEMBER, QueuedJob
+from contracts.kinds import Family, KindSpec, kind_spec
+from contracts.plans import bucket_rows
+from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
+
+Shapes = Mapping[str, tuple[tuple[int, ...], str]]   # input name -> (shape, numpy dtype name)
+MAX_CHUNK_ROWS = 4096   # the planner's largest chunk (worker.engine.planner.plan_chunk)
+SAFETY = 0.8            # the planner's share of a memory budget a chunk may use
+
+
+class ArrayQuote(BaseModel):
+    name: str
+    shape: list[int] | None = Field(description="null when only the worker can know it")
+    dtype: str
+    bytes: int | None
+
+
+class Passes(BaseModel):
+    unit: Literal["rows", "products", "colours"]
+    count: int | None = Field(description="null when unknown before the work (a sparsity pattern's colours)")
+    estimate: bool = Field(description="true when the count depends on convergence or on the worker's checks")
+    note: str = ""
+
+
+class Quote(BaseModel):
+    """The answer of a dry run: nothing is queued or written."""
+
+    kind: str
+    family: str
+    of: str
+    wrt: str | list[str]
+    mode: str = Field(description="the mode the rows would run in (auto resolved as far as known)")
+    arrays: list[ArrayQuote]
+    result_bytes: int | None = Field(description="bytes of all result arrays; null when only the worker can know")
+    passes: Passes
+    predicted_peak_bytes: int | None
+    predicted_seconds: float | None
+    predicted_chunk_rows: int | None = None
+    strategy: str | None = None
+    guess: bool = Field(description="false: predicted from a persisted plan of this request; true: a guess")
+    basis: str
+    fits: Literal[True] = True
+
+
+def concrete_of_shape(sig: Signature, of: str, shapes: Shapes) -> tuple[int, ...] | None:
+    """``of``'s shape with its unknown leading dim taken as the inputs' common batch size; None if unknown."""
+    spec = sig.outputs[of].shape
+    if spec is None or any(d is None for d in spec[1:]):
+        return None
+    batch = {shapes[n][0][0] for n, s in sig.inputs.items() if s.shape and s.shape[0] is None and n in shapes}
+    if spec and spec[0] is None:
+        if len(batch) != 1:
+            return None
+        return (next(iter(batch)),) + tuple(int(d) for d in spec[1:] if d is not None)
+    return tuple(int(d) for d in spec if d is not None)
+
+
+def sources(spec: QueuedJob, variables: Mapping[str, TensorSpec],
+            shapes: Shapes) -> list[tuple[str, tuple | None, str]]:
+    """``wrt`` as (name, shape, dtype) for each source (``variables/*``: every trainable variable)."""
+    wrt = spec.wrt
+    names = [VARIABLE_PREFIX + n for n, v in variables.items() if v.trainable is not False] \
+        if wrt == "variables/*" else ([wrt] if isinstance(wrt, str) else list(wrt or []))
+    out = []
+    for name in names:
+        if name.startswith(VARIABLE_PREFIX):
+            var = variables[name[len(VARIABLE_PREFIX):]]
+            shape = None if var.shape is None or any(d is None for d in var.shape) else tuple(var.shape)
+            out.append((name, shape, var.dtype))
+        else:
+            out.append((name, tuple(shapes[name][0]), shapes[name][1]))
+    return out
+
+
+def _elements(shape: tuple[int, ...] | None) -> int | None:
+    return None if shape is None else math.prod(shape)
+
+
+def _arrays(kind: KindSpec, spec: QueuedJob, of_shape: tuple | None, wrt_shape: tuple | None, dtype: str,
+            shapes: Shapes) -> list[ArrayQuote]:
+    """The result arrays with their shapes (from the registry's ``dims``) and bytes."""
+    seeds = shapes.get(SEEDS_MEMBER)
+    k = seeds[0][0] if seeds and seeds[0] else (spec.rank if kind.family is Family.spectral else None)
+    words: dict[str, tuple[int, ...] | None] = {
+        "of": (of_shape[1:] if kind.batch_axis else of_shape) if of_shape is not None else None,
+        "wrt": (wrt_shape[1:] if kind.batch_axis else wrt_shape) if wrt_shape is not None else None,
+        "batch": wrt_shape[:1] if wrt_shape else None, "seed": None if k is None else (k,),
+        "k": None if k is None else (k,)}
+    words["wrt2"] = words["wrt"]
+    out = []
+    for name, dims in zip(kind.arrays, kind.dims, strict=True):
+        parts = [words.get(d) for d in dims]
+        shape = None if any(p is None for p in parts) else [int(n) for p in parts for n in p]  # type: ignore[union-attr]
+        size = None if shape is None else math.prod(shape) * np.dtype(dtype).itemsize
+        out.append(ArrayQuote(name=name, shape=shape, dtype=dtype, bytes=size))
+    return out
+
+
+def resolved_mode(kind: KindSpec, mode: str, of_shape: tuple | None, wrt_shape: tuple | None) -> str:
+    """``auto`` as the worker resolves it from the shapes (before its forward-mode check)."""
+    if mode != "auto" or kind.family is not Family.dense:
+        return mode
+    if kind.scalar_of or of_shape is None or wrt_shape is None:
+        return "reverse"
+    cut = 1 if kind.batch_axis else 0
+    return "reverse" if math.prod(of_shape[cut:]) <= math.prod(wrt_shape[cut:]) else "forward"
+
+
+def _passes(kind: KindSpec, spec: QueuedJob, mode: str, of_shape: tuple | None, wrt_shape: tuple | None,
+            shapes: Shapes) -> Passes:
+    n_wrt = _elements(wrt_shape)
+    if kind.family is Family.products:
+        seeds = shapes.get(SEEDS_MEMBER)
+        return Passes(unit="products", count=seeds[0][0] if seeds and seeds[0] else None, estimate=False,
+                      note="one product a seed")
+    if kind.family is Family.spectral:
+        if kind.fields and "samples" in kind.fields:
+            samples = spec.samples or 100
+            count = min(samples, n_wrt) if n_wrt else samples
+            return Passes(unit="products", count=count, estimate=False,
+                          note="Hessian-vector products (the exact trace when samples >= the wrt size)")
+        rank = spec.rank or 1
+        if kind.scalar_of:   # Lanczos
+            count = min(n_wrt, 2 * rank + 10) if n_wrt else 2 * rank + 10
+            return Passes(unit="products", count=count, estimate=True,
+                          note="Lanczos steps, one Hessian-vector product each, until the eigenpairs converge")
+        width = rank + max(5, rank)
+        return Passes(unit="products", count=2 * width, estimate=True,
+                      note=f"per subspace iteration (J v and vᵀ J for a block of {width}); iterations until tol")
+    if spec.sparsity is not None:
+        bound = _elements(wrt_shape if mode == "forward" else of_shape)
+        return Passes(unit="colours", count=None, estimate=True,
+                      note=f"the pattern's colours, unknown before it is found (at most {bound}, the dense rows)")
+    if of_shape is None or wrt_shape is None:
+        return Passes(unit="rows", count=None, estimate=True, note="the shapes are known only when the model runs")
+    if kind.scalar_of:
+        rows = math.prod(wrt_shape)
+    else:
+        cut = 1 if kind.batch_axis else 0
+        rows = math.prod(of_shape[cut:]) if mode == "reverse" else math.prod(wrt_shape[cut:])
+    return Passes(unit="rows", count=rows, estimate=spec.mode.value == "auto" and mode == "forward",
+                  note="forward mode, unless the worker's check falls back to reverse"
+                  if spec.mode.value == "auto" and mode == "forward" else "")
+
+
+def _line(value: Any, scale: float = 1.0) -> tuple[float, float] | None:
+    return None if not value else (float(value[0]) * scale, float(value[1]) * scale)
+
+
+def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_rows: int | None,
+               budget: int | None) -> tuple[int, float | None, int, str]:
+    """Peak bytes, seconds and chunk rows the plan's strategy predicts for ``rows``; raises KeyError/ValueError
+    when the plan has no memory line."""
+    label = str(plan["strategy"])
+    record = plan["strategies"][label]
+    measured_at = record.get("batch")
+    scale = batch / measured_at if batch and measured_at and batch > measured_at else 1.0
+    memory = _line(record.get("memory"), scale)
+    if memory is None:
+        raise ValueError("no memory line")
+    seconds = _line(record.get("seconds"))
+    if chunk_rows is not None:
+        k = min(chunk_rows, rows)
+    else:
+        cap = min(bucket_rows(rows), MAX_CHUNK_ROWS)
+        if record.get("preferred_rows"):
+            cap = min(cap, bucket_rows(int(record["preferred_rows"])))
+        k = 1
+        while k * 2 <= cap and (budget is None or memory[0] + memory[1] * k * 2 <= SAFETY * budget):
+            k *= 2
+    peak = int(memory[0] + memory[1] * k)
+    chunks = math.ceil(rows / k)
+    if seconds is not None:
+        secs: float | None = chunks * (seconds[0] + seconds[1] * k)
+    else:
+        rates = record.get("rates") or {}
+        secs = rows / max(map(float, rates.values())) if rates else None
+    return peak, secs, k, label
+
+
+def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], shapes: Shapes, *,
+          memory_budget_bytes: int | None = None, plan: Mapping[str, Any] | None = None,
+          plan_name: str = "") -> Quote:
+    """The quote of a validated job (``spec``: ``of`` and ``wrt`` resolved; ``shapes``: every input's shape
+    and dtype, the seeds as ``__seeds__``); ``plan``: the persisted plan of this request (JSON), if any,
+    named ``plan_name`` in the basis."""
+    kind = kind_spec(spec.kind)
+    of = spec.of or ""
+    of_shape = concrete_of_shape(sig, of, shapes)
+    srcs = sources(spec, variables, shapes)
+    if any(s[1] is None for s in srcs):
+        wrt_shape = None
+    elif len(srcs) == 1:
+        wrt_shape = srcs[0][1]
+    else:   # several sources, concatenated into one wrt axis (with the batch axis kept for batch_jacobian)
+        per = [s[1][1:] if kind.batch_axis else s[1] for s in srcs]  # type: ignore[index]
+        flat = (sum(math.prod(p) for p in per),)
+        wrt_shape = (srcs[0][1][0],) + flat if kind.batch_axis else flat  # type: ignore[index]
+    wrt_dtype = srcs[0][2] if srcs else "float32"
+    for s in srcs[1:]:
+        wrt_dtype = rules.result_dtype(wrt_dtype, s[2])
+    dtype = rules.result_dtype(sig.outputs[of].dtype, wrt_dtype, spec.output_dtype)
+    mode = resolved_mode(kind, spec.mode.value, of_shape, wrt_shape)
+    if plan is not None and (plan.get("checked") or {}).get("mode"):
+        mode = str(plan["checked"]["mode"])
+    arrays = _arrays(kind, spec, of_shape, wrt_shape, dtype, shapes)
+    passes = _passes(kind, spec, mode, of_shape, wrt_shape, shapes)
+    sparse = spec.sparsity is not None
+    total = None if sparse or any(a.bytes is None for a in arrays) else sum(a.bytes or 0 for a in arrays)
+    if sparse:
+        arrays = [ArrayQuote(name=n, shape=None, dtype="int64" if n != "values" else dtype, bytes=None)
+                  for n in ("rows", "cols", "values")]
+    input_bytes = sum(math.prod(s) * np.dtype(d).itemsize for s, d in shapes.values())
+    budget = spec.memory_budget_bytes or memory_budget_bytes
+    fields: dict[str, Any] = {}
+    if plan is not None and passes.unit == "rows" and passes.count:
+        try:
+            batch = wrt_shape[0] if kind.batch_axis and wrt_shape else None
+            peak, secs, k, label = _from_plan(plan, passes.count, batch=batch, chunk_rows=spec.chunk_rows,
+                                              budget=budget)
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(plan.get("updated_at") or 0)))
+            fields = {"predicted_peak_bytes": peak, "predicted_seconds": None if secs is None else round(secs, 4),
+                      "predicted_chunk_rows": k, "strategy": label, "guess": False,
+                      "basis": f"persisted plan {plan_name} from {when} ({label}; jobs: {plan.get('jobs', 0)}; on "
+                               f"{(plan.get('key') or {}).get('device', 'a device')})"}
+        except (KeyError, ValueError, TypeError, ZeroDivisionError):
+            fields = {}
+    if not fields:
+        fields = _guess(passes, total, input_bytes, spec, plan is not None)
+        rates = ((plan or {}).get("strategies") or {}).get(str((plan or {}).get("strategy")), {}).get("rates")
+        if rates and passes.unit == "rows" and passes.count:   # timed, but its memory not yet measured
+            fields["predicted_seconds"] = round(passes.count / max(map(float, rates.values())), 4)
+            fields["strategy"] = str(plan["strategy"])  # type: ignore[index]
+            fields["basis"] = (f"time from persisted plan {plan_name} ({fields['strategy']}'s best rows/s); peak "
+                               f"memory not measured yet, {fields['basis']}")
+    return Quote(kind=kind.name, family=kind.family.value, of=of,
+                 wrt=spec.wrt if spec.wrt is not None else "", mode=mode, arrays=arrays,
+                 result_bytes=total, passes=passes, **fields)
+
+
+def _guess(passes: Passes, total: int | None, input_bytes: int, spec: QueuedJob, had_plan: bool) -> dict[str, Any]:
+    """Without a usable plan: the inputs, one chunk of result rows and the same again for the gradients."""
+    why = "a guess" if had_plan else "no plan for this model yet"
+    if passes.unit == "rows" and passes.count and total is not None:
+        k = min(spec.chunk_rows or MAX_CHUNK_ROWS, bucket_rows(passes.count))
+        chunk = total // passes.count * min(k, passes.count)
+        return {"predicted_peak_bytes": input_bytes + 2 * chunk, "predicted_seconds": None,
+                "predicted_chunk_rows": min(k, passes.count), "guess": True,
+                "basis": f"{why}: from result size only (inputs + 2 x one chunk of {min(k, passes.count)} rows)"
+                         + ("" if had_plan else "; the time is known after a first job")}
+    peak = None if total is None else input_bytes + 2 * total
+    return {"predicted_peak_bytes": peak, "predicted_seconds": None, "guess": True,
+            "basis": f"{why}: from result size only (inputs + 2 x the result); the time is known after a first job"}

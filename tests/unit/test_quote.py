@@ -1,0 +1,81 @@
+"""``contracts.quote``: the quote of a job from the kind registry, the shapes and a persisted plan (pure), and
+``contracts.plans``: the request digest the API computes is the one the worker's plan key carries."""
+
+from __future__ import annotations
+
+import time
+
+from contracts.jobspec import SEEDS_MEMBER, ModelRef, QueuedJob
+from contracts.plans import plan_request, request_digest, request_key_json
+from contracts.quote import quote
+from contracts.savedmodel import Signature, TensorSpec
+from worker.engine.plan import Plan, PlanKey, StrategyRecord
+from worker.engine.planner import LinearFit
+
+SIG = Signature("serving_default", inputs={"x": TensorSpec("x", "float32", (None, 8))},
+                outputs={"y": TensorSpec("y", "float32", (None, 4)), "loss": TensorSpec("loss", "float32", ())})
+SHAPES = {"x": ((16, 8), "float32")}
+
+
+def job(**options) -> QueuedJob:
+    return QueuedJob(id="", model=ModelRef(path="/nowhere"), inputs_uri="", results_url="", **options)
+
+
+def test_dense_rows_follow_the_mode_and_the_bytes_the_dtype():
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES)
+    assert q.mode == "reverse" and q.passes.count == 16 * 4 and q.result_bytes == 16 * 4 * 16 * 8 * 4
+    half = quote(job(of="y", wrt="x", output_dtype="float16"), SIG, {}, SHAPES)
+    assert half.result_bytes == q.result_bytes // 2 and half.arrays[0].dtype == "float16"
+    batch = quote(job(of="y", wrt="x", kind="batch_jacobian", mode="forward"), SIG, {}, SHAPES)
+    assert batch.arrays[0].shape == [16, 4, 8] and batch.passes.count == 8
+    assert q.guess and batch.guess and q.predicted_seconds is None and "no plan" in q.basis
+
+
+def test_matrix_free_kinds_count_products_and_their_arrays():
+    jvp = quote(job(of="y", wrt="x", kind="jvp"), SIG, {}, SHAPES | {SEEDS_MEMBER: ((3, 16, 8), "float32")})
+    assert jvp.passes.unit == "products" and jvp.passes.count == 3 and jvp.arrays[0].shape == [3, 16, 4]
+    svd = quote(job(of="y", wrt="x", kind="svd", rank=2), SIG, {}, SHAPES)
+    assert [a.shape for a in svd.arrays] == [[2], [2, 16, 4], [2, 16, 8]] and svd.passes.estimate
+    trace = quote(job(of="loss", wrt="x", kind="hessian_trace", samples=500), SIG, {}, SHAPES)
+    assert [a.shape for a in trace.arrays] == [[], []] and trace.passes.count == 16 * 8   # exact: n products
+    assert trace.result_bytes == 8
+
+
+def test_sparsity_counts_colours_unknown_until_the_pattern():
+    q = quote(job(of="y", wrt="x", sparsity="auto"), SIG, {}, SHAPES)
+    assert q.passes.unit == "colours" and q.passes.count is None and q.result_bytes is None
+    assert "at most 64" in q.passes.note
+
+
+def _plan(key: PlanKey) -> dict:
+    plan = Plan(strategy="vectorized", key=key, jobs=3, updated_at=time.time())
+    plan.strategies["vectorized"] = StrategyRecord(status="ok", memory=LinearFit(1000.0, 100.0),
+                                                   seconds=LinearFit(0.01, 0.001), preferred_rows=16)
+    return plan.to_json()
+
+
+def _key(kind: str = "jacobian", shape=(16, 8)) -> PlanKey:
+    return PlanKey(model="fp", signature="serving_default", of="y", wrt="x", kind=kind, mode="auto", reduce=None,
+                   inputs=(("x", shape, "float32"),), device="GPU/NVIDIA H100/cc9.0", tensorflow="2.21.0")
+
+
+def test_a_plan_predicts_peak_and_seconds_at_its_chunk_under_the_budget():
+    plan = _plan(_key())
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan, plan_name="abc")
+    assert not q.guess and q.predicted_chunk_rows == 16 and q.predicted_peak_bytes == 1000 + 100 * 16
+    assert q.predicted_seconds == round(4 * (0.01 + 0.001 * 16), 4) and "persisted plan abc" in q.basis
+    tight = quote(job(of="y", wrt="x", memory_budget_bytes=2000), SIG, {}, SHAPES, plan=plan)
+    assert tight.predicted_chunk_rows == 4 and tight.predicted_peak_bytes == 1400   # 0.8 x 2000 holds 4 rows
+    pinned = quote(job(of="y", wrt="x", chunk_rows=64), SIG, {}, SHAPES, plan=plan)
+    assert pinned.predicted_chunk_rows == 64 and pinned.predicted_seconds == round(0.01 + 0.064, 4)
+
+
+def test_the_api_request_digest_is_the_workers_plan_key_without_device():
+    for kind, shape in (("jacobian", (16, 8)), ("batch_jacobian", (13, 8))):
+        worker_shape = (16, 8) if kind == "batch_jacobian" else shape   # the worker buckets the batch
+        key = _key(kind, worker_shape)
+        api = request_key_json(model="fp", signature="serving_default", of="y", wrt="x", kind=kind, mode="auto",
+                               reduce=None, inputs=[("x", shape, "float32")], batch_axis=kind == "batch_jacobian")
+        assert request_digest(api) == key.request
+        assert request_digest(key.to_json()) == key.request != key.digest
+    assert plan_request(job(of="y", wrt="x", kind="svd", rank=2), SHAPES) is None   # only dense kinds are planned
