@@ -103,6 +103,10 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
     prepare_gpus()
     import tensorflow as tf
 
+    if str(path).endswith(".keras") and Path(path).is_file():
+        from worker.engine.keras_model import load_keras_model
+
+        return load_keras_model(str(path), signature)
     try:
         loaded = tf.saved_model.load(str(path))
     except (OSError, ValueError, tf.errors.OpError) as err:
@@ -120,12 +124,12 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
                                 field="model.signature")
     output_specs = {name: tf.TensorSpec(t.shape, t.dtype, name) for name, t in outputs.items()}
     return LoadedModel(path=str(path), signature=signature, loaded=loaded, fn=fn, input_specs=input_specs,
-                       output_specs=output_specs, variables=_named_variables(loaded, fn.variables),
+                       output_specs=output_specs, variables=named_variables(loaded, fn.variables),
                        fingerprint=model_fingerprint(path),
-                       graph_ops=_graph_ops(fn))
+                       graph_ops=graph_ops(fn))
 
 
-def _named_variables(loaded: Any, captured: Any) -> dict[str, Any]:
+def named_variables(loaded: Any, captured: Any) -> dict[str, Any]:
     """The variables the signature reads, named as requests name them (``contracts.savedmodel.variable_names``,
     as the API does): by name, or ``<name>@<object path>`` where several share a name."""
     unique = list({id(v): v for v in captured}.values())
@@ -161,7 +165,7 @@ def _object_paths(root: Any, wanted: set[int]) -> dict[int, str]:
     return found
 
 
-def _graph_ops(fn: Any) -> int:
+def graph_ops(fn: Any) -> int:
     try:
         graph_def = fn.graph.as_graph_def()
     except Exception:  # noqa: BLE001 - a size estimate only
@@ -170,11 +174,15 @@ def _graph_ops(fn: Any) -> int:
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of ``saved_model.pb`` and ``variables/variables.index`` (hex, 32 characters).
+    """SHA-256 of ``saved_model.pb`` and ``variables/variables.index`` (hex, 32 characters); of a ``.keras``
+    file, SHA-256 of the file.
 
     A re-exported model (new graph or new weights) has another fingerprint, so its plans are misses.
     """
     root = Path(path)
+    if root.is_file():
+        st = root.stat()
+        return hashlib.sha256(f"keras:{_file_sha256(str(root), st.st_mtime_ns, st.st_size)}".encode()).hexdigest()[:32]
     parts = []
     for rel in ("saved_model.pb", "variables/variables.index"):
         f = root / rel
