@@ -165,3 +165,28 @@ def test_missing_custom_class_refused_at_the_worker(worker_env, redis_conn, monk
     assert record.status.value == "failed", record
     assert record.error["type"] == "InvalidRequest", record.error
     assert "'jt>Scale'" in record.error["message"] and "JACOBIAN_KERAS_CUSTOM_OBJECTS" in record.error["message"]
+
+
+def test_lambda_layer_runs_where_the_operator_turned_safe_mode_off(worker_env, redis_conn, model_root):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    worker_env(1 << 20, KERAS_UNSAFE_ROOTS=str(model_root))
+    with TestClient(create_app()) as client:
+        r = client.post("/v1/jobs", json={"model": {"path": "lambda_layer.keras"}, "inputs": {"x": tensor(X)}})
+        assert r.status_code == 202, r.text
+        record = finished_job(client, redis_conn, r.json()["id"])
+    import xarray as xr
+
+    got = np.asarray(xr.open_zarr(record["result"]["uri"])["jacobian"].values).reshape(12, 12)
+    np.testing.assert_allclose(got, 2.0 * np.eye(12), **TOL)
+
+
+@pytest.mark.parametrize("content", [b"not a zip", b"PK\x05\x06" + bytes(18)])
+def test_a_file_that_is_not_a_keras_zip_is_a_4xx(client, model_root, content):
+    (model_root / "broken.keras").write_bytes(content)
+    for r in (client.get("/v1/models/signature", params={"path": "broken.keras"}),
+              client.post("/v1/jobs", json={"model": {"path": "broken.keras"}, "inputs": {"x": tensor(X)}})):
+        assert r.status_code == 422, r.text
+        assert "not a readable .keras file" in r.json()["error"]["message"], r.text
