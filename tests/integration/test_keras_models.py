@@ -1,6 +1,6 @@
 """``.keras`` files as model paths through the service: the signature endpoint reads their config (no
-TensorFlow in the API), every kind of job on them (POST, a real rq worker in this process) equals GradientTape on
-the Keras model itself, a class that is not known is a 4xx naming it, a Lambda layer is refused."""
+TensorFlow in the API), every kind of the registry on them (POST, a real rq worker in this process) equals
+GradientTape on the Keras model itself, a class that is not known is a 4xx naming it, a Lambda layer is refused."""
 
 from __future__ import annotations
 
@@ -99,6 +99,43 @@ CASES = {   # kind: (model, inputs, options)
     "sparsity": ("functional", {"x": X}, {"of": "y", "wrt": "x", "sparsity": "auto"}),
     "multi": ("multi", {"x": X, "z": Z}, {"of": "b", "wrt": "z"}),
 }
+
+
+SEEDS_OF = np.random.default_rng(3).normal(size=(2, 4, 2)).astype(np.float32)
+MORE = {   # the other kinds of the registry on functional.keras
+    "vjp": {"of": "y", "wrt": "x", "seeds": tensor(SEEDS_OF)},
+    "hvp": {"of": "loss", "wrt": "x", "seeds": tensor(SEEDS)},
+    "svd": {"of": "y", "wrt": "x", "rank": 2, "tol": 1e-6},
+    "hessian_eig": {"of": "loss", "wrt": "x", "rank": 2, "tol": 1e-6},
+    "hessian_trace": {"of": "loss", "wrt": "x", "samples": 40},
+}
+
+
+def test_every_kind_is_covered():
+    from contracts.kinds import KINDS
+
+    assert set(KINDS) == {"jacobian", "batch_jacobian", "hessian", "jvp"} | set(MORE)
+
+
+@pytest.mark.parametrize("kind", sorted(MORE))
+def test_other_kinds_equal_gradient_tape(worker_client, redis_conn, keras_model, kind):
+    import xarray as xr
+
+    from contracts.kinds import KINDS
+
+    r = worker_client.post("/v1/jobs", json={"model": {"path": "functional.keras"}, "kind": kind,
+                                             "inputs": {"x": tensor(X)}, **MORE[kind]})
+    assert r.status_code == 202, r.text
+    record = finished_job(worker_client, redis_conn, r.json()["id"])
+    got = np.asarray(xr.open_zarr(record["result"]["uri"])[KINDS[kind].main_array].values)
+    model = keras_model["functional"]
+    J = tape(model, {"x": X}, "y", "x", "jacobian").reshape(8, 12)
+    H = tape(model, {"x": X}, "loss", "x", "hessian").reshape(12, 12)
+    want = {"vjp": SEEDS_OF.reshape(2, 8) @ J, "hvp": SEEDS.reshape(2, 12) @ H,
+            "svd": np.linalg.svd(J, compute_uv=False)[:2],
+            "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2],
+            "hessian_trace": np.trace(H)}[kind]
+    np.testing.assert_allclose(got.reshape(np.shape(want)), want, **TOL)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
