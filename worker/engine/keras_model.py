@@ -82,7 +82,8 @@ def load_keras_model(path: str, signature: str = SIGNATURE) -> LoadedModel:
     try:
         model = keras.saving.load_model(path, safe_mode=safe, custom_objects=objects, compile=False)
     except Exception as err:  # noqa: BLE001 - whatever Keras raises, the file is what the caller must fix
-        hint = "" if safe or "safe_mode" not in str(err) else f" (an operator may allow it with {UNSAFE_SETTING})"
+        hint = f"; an operator may allow it for this root with {UNSAFE_SETTING}" if safe and "safe_mode" in str(
+            err) else ""
         raise InvalidRequest(f"{FIELD}: cannot load the .keras file {path!r}: {type(err).__name__}: {err}{hint}",
                              field=FIELD) from None
     in_struct = getattr(model, "_inputs_struct", None)
