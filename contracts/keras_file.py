@@ -110,17 +110,26 @@ def _layers(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
             for layer in layers if isinstance(layer, dict)}
 
 
+def _layer(layers: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    layer = layers.get(name)
+    if layer is None:
+        raise KeyError(f"the layer {name!r} it names as an input or output is not among its layers")
+    if not isinstance(layer.get("config", {}), dict):
+        raise TypeError(f"the layer {name!r} has a config that is not an object")
+    return {"config": {}, **layer}
+
+
 def signature_of(config: dict[str, Any]) -> Signature:
     """The ``serving_default`` signature of a model's ``config.json``."""
     inner = config.get("config", {}) if isinstance(config.get("config"), dict) else {}
     layers = _layers(config)
     inputs: dict[str, TensorSpec] = {}
     for key, name in _refs(inner.get("input_layers")):
-        cfg = layers.get(name, {}).get("config", {})
+        cfg = _layer(layers, name)["config"]
         inputs[key or name] = TensorSpec(key or name, _dtype(cfg.get("dtype")), _shape(cfg.get("batch_shape")))
     outputs: dict[str, TensorSpec] = {}
     for key, name in _refs(inner.get("output_layers")):   # a layer's config keeps its input shape only
-        dtype = _dtype(layers.get(name, {}).get("config", {}).get("dtype"))
+        dtype = _dtype(_layer(layers, name)["config"].get("dtype"))
         outputs[key or name] = TensorSpec(key or name, dtype, None)
     if not inputs:   # a subclassed model: what its build_config recorded
         built = (config.get("build_config") or {}).get("input_shape")
@@ -132,8 +141,15 @@ def signature_of(config: dict[str, Any]) -> Signature:
 
 
 def read_keras_file(path: str | os.PathLike[str]) -> SavedModelInfo:
-    """The ``.keras`` file's one signature (``serving_default``); no variables (the worker names them)."""
-    return SavedModelInfo(signatures={SIGNATURE: signature_of(read_config(path))})
+    """The ``.keras`` file's one signature (``serving_default``); no variables (the worker names them).
+    Raises ``KerasFileError`` for a file that is not a ``.keras`` zip or whose config has another form."""
+    config = read_config(path)
+    try:
+        signature = signature_of(config)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+        raise KerasFileError(f"{str(path)!r} is not a readable .keras file: its {CONFIG_FILE} is not a Keras "
+                             f"model's config ({type(exc).__name__}: {exc})") from None
+    return SavedModelInfo(signatures={SIGNATURE: signature})
 
 
 def _objects(node: Any) -> Iterator[dict[str, Any]]:

@@ -106,6 +106,16 @@ def test_unreadable_files_are_saved_model_errors(tmp_path, content):
         read_keras_file(tmp_path / "none.keras")
 
 
+@pytest.mark.parametrize("config", [
+    {"config": {"layers": ["x"], "input_layers": ["x", 0, 0], "output_layers": ["x", 0, 0]}},
+    {"config": {"layers": [{"name": "x", "config": "text"}], "input_layers": ["x", 0, 0]}},
+    {"config": "text", "build_config": "text"},
+])
+def test_a_config_of_another_form_is_a_saved_model_error(tmp_path, config):
+    with pytest.raises(KerasFileError, match="not a readable .keras file"):
+        read_keras_file(write(tmp_path / "odd.keras", config))
+
+
 def test_fingerprint_is_the_file_hash(tmp_path):
     from worker.engine.model import model_fingerprint
 

@@ -14,7 +14,7 @@ from contracts.keras_file import (
     UNSAFE_SETTING,
     custom_classes,
     read_config,
-    signature_of,
+    read_keras_file,
     under,
 )
 from worker.engine.errors import InvalidRequest, NotDifferentiable
@@ -92,7 +92,7 @@ def load_keras_model(path: str, signature: str = SIGNATURE) -> LoadedModel:
         names = _names(in_struct, [t.name for t in tensors])
         specs = {n: tf.TensorSpec(t.shape, t.dtype, name=n) for n, t in zip(names, tensors)}
     else:                       # a subclassed model: the shape its build recorded
-        spec = signature_of(config).inputs[SUBCLASSED_INPUT]
+        spec = read_keras_file(path).signature(SIGNATURE).inputs[SUBCLASSED_INPUT]
         if spec.shape is None:
             raise InvalidRequest(f"{FIELD}: the subclassed model in {path!r} records no input shape; build it "
                                  "(call it once) before saving", field=FIELD)
