@@ -76,11 +76,15 @@ def default_cache_dir() -> Path:
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of ``saved_model.pb`` and ``variables/variables.index`` (hex, 32 characters).
+    """SHA-256 of ``saved_model.pb`` and ``variables/variables.index`` (hex, 32 characters); of a ``.keras``
+    file, SHA-256 of the file.
 
     A re-exported model (new graph or new weights) has another fingerprint, so its plans are misses.
     """
     root = Path(path)
+    if root.is_file():
+        st = root.stat()
+        return hashlib.sha256(f"keras:{_file_sha256(str(root), st.st_mtime_ns, st.st_size)}".encode()).hexdigest()[:32]
     parts = []
     for rel in ("saved_model.pb", "variables/variables.index"):
         f = root / rel

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         default_factory=dict, description="graph ops allowed beyond contracts/op_allowlist.txt, per model root "
         "(or any folder: a model gets the ops of every folder it lies in), as JSON: "
         "'{\"/srv/models/legacy\": [\"PyFunc\"]}'; see docs/MODEL_SAFETY.md")
+    keras_custom_objects: str | None = Field(None, description="an importable module whose CUSTOM_OBJECTS dict "
+                                             "(or whose classes registered with keras.saving."
+                                             "register_keras_serializable) .keras models may use")
+    keras_unsafe_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="folders whose .keras files load with safe_mode=False (Lambda "
+        "layers allowed: they run arbitrary Python code); see docs/MODEL_SAFETY.md")
     try_xla: bool = Field(True, description="let strategy trials try XLA variants")
     cache_dir: str | None = Field(None, description="folder for plans (default ~/.cache/jacobian); workers "
                                   "share plans through Redis and keep them here too")
@@ -64,7 +70,7 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", description="the root logger's level")
     malloc_arenas: int = Field(2, ge=0, description="glibc malloc arenas of a worker (0: glibc's default)")
 
-    @field_validator("model_roots", "api_keys", mode="before")
+    @field_validator("model_roots", "api_keys", "keras_unsafe_roots", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)

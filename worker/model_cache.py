@@ -1,5 +1,5 @@
-"""Process-wide LRU cache of loaded SavedModels, keyed by (resolved path, signature, saved_model.pb mtime); each
-model's graph is scanned (``contracts.graph_scan``) before it is loaded."""
+"""Process-wide LRU cache of loaded models, keyed by (resolved path, signature, saved_model.pb or .keras file mtime);
+each model's graph (a .keras file: its config, ``contracts.keras_file``) is scanned before it is loaded."""
 
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ def scan_model(path: str) -> None:
     settings at each call. A ``saved_model.pbtxt`` without a ``saved_model.pb`` is refused
     (``SavedModelError``): the scan reads only the binary form."""
     from contracts.graph_scan import scan_saved_model
+    from contracts.keras_file import is_keras_file, scan_keras_file
     from contracts.settings import get_settings
 
+    if is_keras_file(path) and Path(path).is_file():
+        settings = get_settings()
+        scan_keras_file(path, custom_objects=settings.keras_custom_objects,
+                        unsafe_roots=settings.keras_unsafe_roots, field="model.path")
+        return
     if not any((Path(path) / name).exists() for name in ("saved_model.pb", "saved_model.pbtxt")):
         return  # nothing TensorFlow could load either: the loader names what is missing
     settings = get_settings()
@@ -51,7 +57,7 @@ class ModelCache:
     @staticmethod
     def key(path: str, signature: str) -> tuple[str, str, int]:
         resolved = Path(path).expanduser().resolve()
-        pb = resolved / "saved_model.pb"
+        pb = resolved if resolved.is_file() else resolved / "saved_model.pb"   # a .keras file, or a SavedModel
         mtime_ns = pb.stat().st_mtime_ns if pb.exists() else 0
         return (str(resolved), signature, mtime_ns)
 

@@ -13,6 +13,7 @@ from app.deps import SettingsDep, require_api_key
 from app.errors import ModelNotFound, SignatureMismatch, error_responses
 from app.security import require_saved_model, resolve_model_path
 from contracts.graph_scan import scan_saved_model
+from contracts.keras_file import KerasFileError, is_keras_file, read_keras_file, scan_keras_file
 from contracts.savedmodel import SavedModelError, SavedModelInfo, Signature, SignatureNotFound, read_saved_model
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_api_key)],
@@ -22,27 +23,48 @@ router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(r
 def load_signature(path: str, signature: str, roots: list[str], *, op_allow: Mapping[str, list[str]],
                    path_field: str, signature_field: str) -> tuple[Path, SavedModelInfo, Signature]:
     """Resolve ``path`` under ``roots``, scan its graph (ops beyond the allowlist need ``op_allow`` for its
-    root) and read ``signature``; errors name ``path_field``/``signature_field``.
+    root; a ``.keras`` file: its config, ``contracts.keras_file``) and read ``signature``; errors name
+    ``path_field``/``signature_field``.
 
     Raises ``ModelPathNotAllowed`` (403), ``ModelNotFound``, ``ModelRefused`` or ``SignatureMismatch`` (422).
     """
-    model_dir = require_saved_model(resolve_model_path(path, roots, field=path_field), field=path_field)
-    try:
-        scan_saved_model(model_dir, op_allow=op_allow, roots=roots, field=path_field)
-        info = read_saved_model(model_dir)
-    except SavedModelError as exc:
-        raise ModelNotFound(f"{path_field}: {exc}; export the model with tf.saved_model.save or "
-                            "keras Model.export", field=path_field) from None
+    resolved = resolve_model_path(path, roots, field=path_field)
+    if is_keras_file(resolved) and not resolved.is_dir():
+        model_dir, info = resolved, _read_keras(resolved, path_field)
+    else:
+        model_dir = require_saved_model(resolved, field=path_field)
+        try:
+            scan_saved_model(model_dir, op_allow=op_allow, roots=roots, field=path_field)
+            info = read_saved_model(model_dir)
+        except SavedModelError as exc:
+            raise ModelNotFound(f"{path_field}: {exc}; export the model with tf.saved_model.save or "
+                                "keras Model.export", field=path_field) from None
     try:
         return model_dir, info, info.signature(signature)
     except SignatureNotFound as exc:
         raise SignatureMismatch(f"{signature_field}: {exc}", field=signature_field) from None
 
 
+def _read_keras(path: Path, field: str) -> SavedModelInfo:
+    """Scan and read the ``.keras`` file at ``path`` (the settings say which custom objects and which unsafe
+    roots); raises ``ModelNotFound`` for a file that is missing or not a ``.keras`` zip, ``ModelRefused``."""
+    from contracts.settings import get_settings
+
+    settings = get_settings()
+    try:
+        scan_keras_file(path, custom_objects=settings.keras_custom_objects,
+                        unsafe_roots=settings.keras_unsafe_roots, field=field)
+        return read_keras_file(path)
+    except KerasFileError as exc:
+        raise ModelNotFound(f"{field}: {exc}; save the model with keras Model.save('model.keras')",
+                            field=field) from None
+
+
 @router.get("/signature")
 async def get_signature(
     settings: SettingsDep,
-    path: Annotated[str, Query(description="SavedModel directory, absolute or relative to a model root")],
+    path: Annotated[str, Query(description="SavedModel directory or .keras file, absolute or relative to a "
+                                           "model root")],
     signature: Annotated[str, Query(description="signature name")] = "serving_default",
 ) -> dict[str, Any]:
     """Inputs and outputs of one signature (``{name: {dtype, shape}}``, ``None`` = unknown size) and

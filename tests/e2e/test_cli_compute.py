@@ -20,10 +20,10 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def jacobian_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def jacobian_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("jacobian", path=str(Path(sys.executable).parent))
     cmd = [exe] if exe else [sys.executable, "-m", "jacobian.cli"]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     return subprocess.run(cmd + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -161,3 +161,32 @@ def test_cli_refusals_speak_the_cli(multi_io_model: Path, tmp_path: Path) -> Non
     proc = jacobian_cli(*base, "--of", "v", "--kind", "hessian", "--wrt", "a")
     assert proc.returncode == 2 and "--reduce sum" in proc.stderr and "reduce='sum'" not in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def test_compute_on_a_keras_file_of_a_subclassed_model(tmp_path: Path) -> None:
+    """``--model m.keras``: a subclassed model with a registered custom layer, its classes named through
+    JACOBIAN_KERAS_CUSTOM_OBJECTS; the Jacobian equals GradientTape on the Keras model itself. Without the setting
+    the run exits 2 naming the class and the setting."""
+    import tensorflow as tf
+
+    from tests import keras_models
+
+    model = keras_models.subclassed(tmp_path / "sub.keras")
+    x = np.random.default_rng(5).normal(size=(3, 3)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", inputs=x)
+    args = ("compute", "--model", str(tmp_path / "sub.keras"), "--input", str(tmp_path / "in.npz"),
+            "--job-id", "k1", "--out", str(tmp_path / "results"))
+    refused = jacobian_cli(*args)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "'jt>TwoLayer'" in refused.stderr and "JACOBIAN_KERAS_CUSTOM_OBJECTS" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    proc = jacobian_cli(*args, env={"JACOBIAN_KERAS_CUSTOM_OBJECTS": "tests.keras_custom", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    xt = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        y = model(xt)
+    expected = tape.jacobian(y, xt).numpy()
+    got = zarr.open_array(proc.stdout.strip() + "/jacobian", mode="r")[:]
+    assert got.shape == expected.shape == (3, 4, 3, 3)
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from contracts import rules
@@ -100,6 +101,10 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
     prepare_gpus()
     import tensorflow as tf
 
+    if str(path).endswith(".keras") and Path(path).is_file():
+        from worker.engine.keras_model import load_keras_model
+
+        return load_keras_model(str(path), signature)
     try:
         loaded = tf.saved_model.load(str(path))
     except (OSError, ValueError, tf.errors.OpError) as err:
@@ -117,12 +122,12 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
                                 field="model.signature")
     output_specs = {name: tf.TensorSpec(t.shape, t.dtype, name) for name, t in outputs.items()}
     return LoadedModel(path=str(path), signature=signature, loaded=loaded, fn=fn, input_specs=input_specs,
-                       output_specs=output_specs, variables=_named_variables(loaded, fn.variables),
+                       output_specs=output_specs, variables=named_variables(loaded, fn.variables),
                        fingerprint=model_fingerprint(path),
-                       graph_ops=_graph_ops(fn))
+                       graph_ops=graph_ops(fn))
 
 
-def _named_variables(loaded: Any, captured: Any) -> dict[str, Any]:
+def named_variables(loaded: Any, captured: Any) -> dict[str, Any]:
     """The variables the signature reads, named as requests name them (``contracts.savedmodel.variable_names``,
     as the API does): by name, or ``<name>@<object path>`` where several share a name."""
     unique = list({id(v): v for v in captured}.values())
@@ -158,7 +163,7 @@ def _object_paths(root: Any, wanted: set[int]) -> dict[int, str]:
     return found
 
 
-def _graph_ops(fn: Any) -> int:
+def graph_ops(fn: Any) -> int:
     try:
         graph_def = fn.graph.as_graph_def()
     except Exception:  # noqa: BLE001 - a size estimate only
