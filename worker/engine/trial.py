@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from worker.engine import tuning
-from worker.engine.chunk_run import Calibration, ChunkRun, rows_agree
+from worker.engine.chunk_run import ChunkRun, rows_agree
 from worker.engine.errors import NotDifferentiable
+from worker.engine.ladder import Ladder
 from worker.engine.memory import is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.planner import fit_linear
@@ -236,11 +237,11 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
              len(inc_times), "switch" if wins else "keep")
     if wins:
         plan.strategy, plan.source = candidate, "trial"
-        cal = run.cal.setdefault(candidate, Calibration())
-        cal.k = k_c
-        cal.calls[k_c] = 2
-        cal.seconds[k_c] = float(np.median(cand_times)) * k_c
-        cal.peaks[k_c] = max(peaks)
+        # The winner's chunk sizes start at the size it was timed at, and grow from there as they pay.
+        sizes = run.problem.model.compiled.sizes(run.key(candidate))
+        run.ladders[candidate] = Ladder(size=k_c, by_throughput=run.throughput_cap, timed={*record.rates, k_c},
+                                        called=set(sizes), samples={k_c: list(cand_times)},
+                                        peaks={k_c: max(peaks)})
 
 
 def _rows_hold(run: ChunkRun, trial: dict[str, Any], candidate: str, start: int, rows: np.ndarray,
