@@ -128,3 +128,19 @@ def test_the_memory_bound_is_above_an_average_fit():
     assert fit_bound({16: 1600.0}) == LinearFit(0.0, 100.0)
     assert fit_bound({}, floor_per_row=8.0) == LinearFit(0.0, 8.0)
     assert fit_bound({8: 0.0, 16: 0.0}, floor_per_row=8.0).per_row == 8.0  # peaks the statistics do not see
+
+
+def test_a_measured_peak_stands_for_the_bound_at_its_own_size():
+    """The bound through 4.7, 8, 14 and 33.5 MB at 8..64 rows predicts 39 MB at 64 (its intercept comes
+    from the 8-row point); 64 rows were measured at 33.5 MB, under the 38.4 usable: 64 is planned."""
+    mib = 1 << 20
+    peaks = {8: int(4.7 * mib), 16: 8 * mib, 32: 14 * mib, 64: int(33.5 * mib)}
+    bound = fit_bound(peaks)
+    assert bound(64) > 0.8 * 48 * mib
+    assert plan_chunk(rows_total=512, memory=bound, free_bytes=1 << 40, budget_bytes=48 * mib,
+                      largest_timed_rows=64) == 32
+    assert plan_chunk(rows_total=512, memory=bound, free_bytes=1 << 40, budget_bytes=48 * mib,
+                      largest_timed_rows=64, peaks=peaks) == 64
+    too_much = {**peaks, 64: 40 * mib}   # out of memory there: never planned again
+    assert plan_chunk(rows_total=512, memory=fit_bound(too_much), free_bytes=1 << 40, budget_bytes=48 * mib,
+                      largest_timed_rows=64, peaks=too_much) == 32

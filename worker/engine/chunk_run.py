@@ -14,7 +14,7 @@ import numpy as np
 
 from worker.engine import tuning
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
-from worker.engine.ladder import GROWTH_GAIN, Ladder
+from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
 from worker.engine.memory import MemoryProbe
 from worker.engine.plan import Plan, parse_label
 from worker.engine.planner import LinearFit, bucket_rows, check_one_row_fits, fit_bound, fit_linear, plan_chunk
@@ -77,7 +77,6 @@ class ChunkRun:
         self.try_xla = try_xla and (budget is None or getattr(probe, "is_gpu", False))
         self.batch = problem.of_shape[0] if problem.kind == "batch_jacobian" and problem.of_shape else None
         self.ladders: dict[str, Ladder] = {}
-        self.too_big: dict[str, int] = {}          # per strategy: the smallest chunk that ran out of memory
         self.first_call: dict[str, tuple[int, float]] = {}   # per strategy: its first call's size and seconds
         self.chunks_run: dict[int, int] = {}       # planned chunk size -> the least largest-timed size before it
         self.new_size = False                      # the last call's size had not run before in this process
@@ -210,6 +209,7 @@ class ChunkRun:
             ladder.size = plan_chunk(rows_total=self.pending, memory=memory, free_bytes=self.free_at_start,
                                      budget_bytes=self.budget, safety=SAFETY, max_rows=self.max_rows,
                                      largest_timed_rows=max(timed), preferred_rows=kept,
+                                     peaks=record.peaks if record.batch in (None, self.batch) else None,
                                      seconds=record.seconds if self.throughput_cap else None)
             if kept and kept in record.rates:  # larger sizes the plan timed that did not pay are not tried again
                 ladder.rejected = {k for k, r in record.rates.items()
@@ -241,10 +241,11 @@ class ChunkRun:
 
     def can_grow_to(self, label: str, k: int, rows_left: int) -> bool:
         """Whether ``label``'s chunk may double to ``k`` rows: within the chunk cap, with rows left to
-        measure it (its warm-up and two pairs), and its predicted peak (the bound through this run's
-        peaks and the plan's line, with ``FIRST_CALL_MARGIN`` for a new size's first call) under the limit.
-        Growth stopped by the cap or by memory leaves the ladder calibrated; by the rows running out, not."""
-        if rows_left < (4 * k if self.throughput_cap else k):
+        measure it (its warm-up and every pair: the comparison ends before the rows do), and its predicted
+        peak (the bound through this run's peaks and the plan's line, with ``FIRST_CALL_MARGIN`` for a new
+        size's first call) under the limit. Growth stopped by the cap or by memory leaves the ladder
+        calibrated; by the rows running out, not."""
+        if rows_left < (comparison_rows(k) if self.throughput_cap else k):
             return False
         ladder, memory = self.ladders[label], self.plan.record(label).memory_at(self.batch)
         predicted = max(fit_bound(ladder.peaks)(k), memory(k) if memory is not None else 0.0)
@@ -289,8 +290,6 @@ class ChunkRun:
         record.peaks = peaks
         # XLA on the CPU reads 0: a row costs at least its result and seed
         record.memory = fit_bound(peaks, floor_per_row=2.0 * self.problem.layout.row_bytes)
-        if label in self.too_big:  # what the sizes that fitted do not show: the one that did not
-            record.memory = self.below(record.memory, self.too_big[label])
         check_one_row_fits(record.memory_at(self.batch) or record.memory, free_bytes=self.free_at_start,
                            budget_bytes=self.budget, safety=SAFETY)
         timed = sorted(k for k in record.rates if k in ladder.timed)
@@ -316,7 +315,10 @@ class ChunkRun:
             record.memory = self.below(record.memory, k)
         if label in self.ladders:
             self.ladders[label].cap(half)
-        self.too_big[label] = min(self.too_big.get(label, k), k)  # for the bound the ladder's peaks give
+        # What the peaks that fitted do not show, kept as a measurement: ``k`` rows need more than the limit.
+        if record.batch not in (None, self.batch):
+            record.peaks, record.batch = {}, self.batch
+        record.peaks[k] = max(record.peaks.get(k, 0), int(1.01 * self.usable) + 1)
         if oom:
             self.status["oom_retries"] += 1
         else:

@@ -24,6 +24,11 @@ GROWTH_GAIN = 0.10   # a doubled chunk (twice the memory) must give 10 % more ro
 PAIRS = 3            # pairs in a comparison: the median decides (the majority, often known after two)
 
 
+def comparison_rows(large: int) -> int:
+    """Rows a comparison of ``large // 2`` with ``large`` may take: the warm-up of ``large``, then ``PAIRS`` pairs."""
+    return large + PAIRS * (large // 2 + large)
+
+
 def growth_verdict(pairs: list[tuple[float, float]], *, gain: float = GROWTH_GAIN,
                    pairs_needed: int = PAIRS) -> bool | None:
     """Whether the larger size pays, from ``(small, large)`` per-row seconds of interleaved pairs.

@@ -76,7 +76,7 @@ def check_one_row_fits(memory: LinearFit, *, free_bytes: int, budget_bytes: int 
 def plan_chunk(*, rows_total: int, memory: LinearFit, free_bytes: int, budget_bytes: int | None = None,
                largest_timed_rows: int, safety: float = 0.8, seconds: LinearFit | None = None,
                throughput_fraction: float = 0.9, min_rows: int = 32, max_rows: int = 4096,
-               preferred_rows: int | None = None) -> int:
+               preferred_rows: int | None = None, peaks: dict[int, int] | None = None) -> int:
     """Largest power-of-two chunk whose predicted peak fits ``safety * min(free, budget)``, and at most
     twice ``largest_timed_rows`` (the largest chunk size timed: a memory line is not extrapolated
     further than one doubling past what was measured, however much memory is free).
@@ -84,6 +84,8 @@ def plan_chunk(*, rows_total: int, memory: LinearFit, free_bytes: int, budget_by
     ``preferred_rows`` (the chunk a calibration kept: the last doubling that bought rows/s) caps it
     too. Without it, ``seconds`` (time per chunk as a line in rows) stops the chunk at
     ``throughput_fraction`` of the attainable rows/s (never below ``min_rows``; memory still may).
+    ``peaks`` (the largest peak measured per size) stand for the line at the sizes they were measured
+    at: the bound through all of them lies above some of them, a measurement is what that size needs.
     Raises MemoryBudgetTooSmall when one row does not fit.
     """
     usable = check_one_row_fits(memory, free_bytes=free_bytes, budget_bytes=budget_bytes, safety=safety)
@@ -94,7 +96,8 @@ def plan_chunk(*, rows_total: int, memory: LinearFit, free_bytes: int, budget_by
         # rows/s(k) = k / (fixed + per_row k) reaches fraction f of 1/per_row at k = f/(1-f) * fixed/per_row.
         enough = throughput_fraction / (1 - throughput_fraction) * seconds.fixed / seconds.per_row
         cap = min(cap, max(bucket_rows(min_rows), bucket_rows(max(1, int(math.ceil(enough))))))
+    peaks = peaks or {}
     k = 1
-    while k * 2 <= cap and memory(k * 2) <= usable:
+    while k * 2 <= cap and peaks.get(k * 2, memory(k * 2)) <= usable:
         k *= 2
     return k

@@ -14,7 +14,7 @@ from worker.engine.errors import NotDifferentiable
 from worker.engine.ladder import Ladder
 from worker.engine.memory import is_out_of_memory
 from worker.engine.plan import Plan
-from worker.engine.planner import fit_linear
+from worker.engine.planner import fit_bound
 from worker.engine.problem import Problem, error_summary
 from worker.engine.strategies import is_compiled
 
@@ -229,7 +229,9 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
     if record.compile_s is not None:
         record.compile_s = round(max(record.compile_s - float(np.median(cand_times)) * k_small, 0.0), 3)
     if k_c != k_small:
-        record.memory = fit_linear(k_small, peak_small, k_c, max(peaks)) if max(peaks) > 0 else None
+        for k, peak in ((k_small, peak_small), (k_c, max(peaks))):
+            record.peaks[k] = max(record.peaks.get(k, 0), int(peak))
+        record.memory = fit_bound({k_small: peak_small, k_c: max(peaks)}) if max(peaks) > 0 else None
     ratio = float(np.median([c / i for i, c in zip(inc_times, cand_times)]))
     wins = tuning.candidate_wins(inc_times, cand_times)
     trial.update({"ratio": round(ratio, 4), "winner": candidate if wins else incumbent, "chunk_rows": k_c})
