@@ -9,7 +9,13 @@ Wall time from process start to exit and peak RSS (``wait4``'s ru_maxrss) of eac
 rows are compared with the peer's (relative 1e-4). Goals (issue 10): peer/cold >= 2.5, peer/warm
 >= 4, each of ours at most 0.5x the peer's peak RSS. Steady-state figures are printed beside.
 
-Run: .venv/bin/python -m bench.bench_cold [--runs 3] [--out bench/results]
+Every run of ours must plan no chunk more than twice the largest chunk size it had timed (issue 25): the
+manifest's ``plan.chunks_run`` says, per chunk size run, the largest size timed before it; the benchmark
+fails otherwise. ``--hog N`` runs N busy CPU processes (``stress-ng --cpu N`` where installed, else Python
+loops) beside every run, so that the plan can be seen not to explode under load. ``--model mlp`` (a
+64-256-256-64 MLP, 2048 rows) is a smoke run of a few seconds.
+
+Run: .venv/bin/python -m bench.bench_cold [--runs 3] [--hog 2] [--model mlp] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import assert_same, emit, machine
+from bench.common import assert_same, chunk_growth_problems, cpu_hogs, emit, machine
 from tests.procs import base_env, jacobian_exe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,33 +72,62 @@ def plan_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith(("plan:", "done:", "job "))]
 
 
+def build_model(name: str, work: Path) -> tuple[Path, str, str]:
+    """``(model folder, of, wrt)`` with ``work / "inputs.npz"`` written."""
+    from tests import models
+
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        np.savez(work / "inputs.npz", x=rng.standard_normal((32, 64)).astype("float32"))
+        return models.mlp(work / "mlp", sizes=(64, 256, 256, 64)), "y", "x"
+    np.savez(work / "inputs.npz", image=rng.standard_normal((1, 224, 224, 3)).astype("float32"))
+    return models.mobilenet_v3_small(work / "mnv3"), "logits", "image"
+
+
+def chunk_figures(manifest_path: Path, what: str) -> tuple[dict, list[str]]:
+    """The largest chunk run and the largest size timed, from a run's manifest; and its problems."""
+    plan = json.loads(manifest_path.read_text()).get("plan") or {}
+    runs = plan.get("chunks_run") or []
+    figures = {"max_chunk": max((size for size, _ in runs), default=None),
+               "max_timed": max(plan.get("timed_rows") or [0]), "kept": plan.get("chunk_rows")}
+    return figures, chunk_growth_problems(plan, what)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--model", choices=("mobilenet", "mlp"), default="mobilenet",
+                    help="mlp: a small MLP (2048 rows), a smoke run of a few seconds")
+    ap.add_argument("--hog", type=int, default=0, metavar="N",
+                    help="N busy CPU processes beside every run (stress-ng --cpu N if installed, else Python loops)")
     args = ap.parse_args()
+    with cpu_hogs(args.hog) as hogs:
+        if hogs:
+            print(f"{args.hog} CPU hogs beside the benchmark: {' '.join(h.args[0] for h in hogs)} "
+                  f"(pids {[h.pid for h in hogs]})", flush=True)
+        bench(args)
 
-    from tests import models
 
+def bench(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-cold-"))
-    model_dir = models.mobilenet_v3_small(work / "mnv3")
-    x = np.random.default_rng(0).standard_normal((1, 224, 224, 3)).astype("float32")
-    np.savez(work / "inputs.npz", image=x)
+    model_dir, of, wrt = build_model(args.model, work)
     env = base_env()
+    problems: list[str] = []
     rows: list[dict] = []
     figures: dict[str, list] = {"peer": [], "cold": [], "warm": []}
     peer_out = work / "peer.npy"
     for i in range(args.runs):
         peer = run([sys.executable, str(REPO / "bench" / "peer_tape_jacobian.py"), str(model_dir),
-                    str(work / "inputs.npz"), str(peer_out), "--of", "logits", "--wrt", "image"], env, "peer")
+                    str(work / "inputs.npz"), str(peer_out), "--of", of, "--wrt", wrt], env, "peer")
         peer_json = json.loads(peer["stdout"].strip().splitlines()[-1])
         cache = work / f"cache{i}"
         results = {}
         for phase in ("cold", "warm"):
             job = f"{phase}{i}"
             res = run([*jacobian_exe(), "compute", "--model", str(model_dir), "--input", str(work / "inputs.npz"),
-                       "--of", "logits", "--out", str(work / "results"), "--job-id", job],
+                       "--of", of, "--wrt", wrt, "--out", str(work / "results"), "--job-id", job],
                       {**env, "JACOBIAN_CACHE_DIR": str(cache)}, f"jacobian compute ({phase})")
             results[phase] = res
             import zarr
@@ -100,6 +135,8 @@ def main() -> None:
             ours = np.asarray(zarr.open_array(str(work / "results" / job / "result.zarr" / "jacobian"), mode="r")[:])
             want = np.load(peer_out)
             assert_same(ours, want, f"{phase} run {i}: ours vs tape.jacobian")
+            res["chunks"], found = chunk_figures(work / "results" / job / "manifest.json", f"{phase} run {i}")
+            problems += found
             shutil.rmtree(work / "results" / job)
         figures["peer"].append(peer)
         figures["cold"].append(results["cold"])
@@ -111,7 +148,8 @@ def main() -> None:
                "peer/cold": round(peer["wall_s"] / results["cold"]["wall_s"], 2),
                "peer/warm": round(peer["wall_s"] / results["warm"]["wall_s"], 2),
                "cold_rss/peer": round(results["cold"]["peak_rss_mib"] / peer["peak_rss_mib"], 3),
-               "warm_rss/peer": round(results["warm"]["peak_rss_mib"] / peer["peak_rss_mib"], 3)}
+               "warm_rss/peer": round(results["warm"]["peak_rss_mib"] / peer["peak_rss_mib"], 3),
+               "cold_chunks": results["cold"]["chunks"], "warm_chunks": results["warm"]["chunks"]}
         print(row, flush=True)
         for phase in ("cold", "warm"):
             for line in plan_lines(results[phase]["stderr"])[-3:]:
@@ -130,12 +168,17 @@ def main() -> None:
         {"steady": "ours: last plan lines of the warm run",
          "value": plan_lines(figures["warm"][-1]["stderr"])[-1][:400]},
     ]
+    rows.append({"check": "no chunk more than twice the largest size timed", "value": "ok" if not problems
+                 else "; ".join(problems), "hogs": args.hog})
     print(machine())
-    emit("cold_start_mobilenet_v3_small", rows, args.out)
+    name = "cold_start_mobilenet_v3_small" if args.model == "mobilenet" else f"cold_start_{args.model}"
+    emit(name + (f"_hog{args.hog}" if args.hog else ""), rows, args.out)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print("kept", work)
+    if problems:
+        raise SystemExit("chunk plans grew past what was timed:\n" + "\n".join(problems))
 
 
 if __name__ == "__main__":

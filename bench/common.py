@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -86,3 +90,39 @@ def assert_same(got: Any, want: Any, what: str, *, rel: float = 1e-4) -> None:
     scale = float(np.abs(want).max())
     err = float(np.abs(got - want).max())
     assert scale > 0 and err <= rel * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def chunk_growth_problems(plan: dict[str, Any], what: str) -> list[str]:
+    """Chunks a run planned at more than twice the largest size it had timed, from its recorded plan
+    (the job status's or manifest's ``plan``): ``chunks_run`` holds, per chunk size run, the largest size
+    timed before it (in the run or in the stored plan it started from; 0: none yet, where the first
+    chunk may be ``FIRST_ROWS``). A plan without the record is a problem too: the check could not be made."""
+    from worker.engine.tuning import FIRST_ROWS
+
+    if "chunks_run" not in plan:
+        return [f"{what}: the plan records no chunks_run (sizes run against sizes timed)"]
+    return [f"{what}: a chunk of {size} rows after timing at most {before} rows (more than twice)"
+            for size, before in plan["chunks_run"] if size > max(FIRST_ROWS, 2 * before)]
+
+
+@contextmanager
+def cpu_hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` busy CPU processes for the duration of the block: ``stress-ng --cpu n`` where it is installed,
+    else ``n`` Python busy loops. Each is stopped (by its own pid) when the block ends."""
+    procs: list[subprocess.Popen[bytes]] = []
+    if n > 0:
+        if shutil.which("stress-ng"):
+            procs = [subprocess.Popen(["stress-ng", "--cpu", str(n), "--quiet"])]
+        else:
+            procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -18,7 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-PLAN_FORMAT = 2  # bump when the meaning of a stored plan changes: older plans become misses
+PLAN_FORMAT = 3  # bump when the meaning of a stored plan changes: older plans become misses
+# 3: the memory line is a bound over measured peaks (2: a line through two of them), peaks are kept
 DEVICE_FIELDS = ("device", "tensorflow")   # the PlanKey fields a request digest leaves out
 REQUEST_KEY_TEMPLATE = "jacobian:plan-request:{digest}"
 

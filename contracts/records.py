@@ -46,7 +46,8 @@ class Progress(BaseModel):
 class PlanInfo(BaseModel):
     """The public chunk plan. The engine writes more keys than these (``fixed_bytes``, ``xla``,
     ``source``, ``plan_key``, ``trial``, ``rows_per_second`` by chunk size, ``budget_halvings``,
-    ``rows_computed``, ``run_seconds``); they are kept as given (the UI lists every scalar one)."""
+    ``rows_computed``, ``run_seconds``, ``timed_rows`` and ``chunks_run``: the chunk sizes timed, and per chunk size
+    run the largest size timed before it); they are kept as given (the UI lists every scalar one)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -203,7 +203,8 @@ def test_a_corrected_fit_refuses_the_size_that_failed_even_with_no_fixed_part():
 
     usable = 0.8 * (256 << 20)
     corrected = ChunkRun.below(SimpleNamespace(usable=usable), LinearFit(0.0, 1000.0), 64)
-    assert plan_chunk(rows_total=1024, memory=corrected, free_bytes=1 << 40, budget_bytes=256 << 20) == 32
+    assert plan_chunk(rows_total=1024, memory=corrected, free_bytes=1 << 40, budget_bytes=256 << 20,
+                      largest_timed_rows=64) == 32
 
 
 # -- host memory on a GPU ---------------------------------------------------------------------------------
@@ -247,20 +248,29 @@ def test_on_a_gpu_chunks_fit_the_hosts_memory_beside_the_writers_buffers(wide_ml
     assert "host_rows_cap" not in cpu.plan
 
 
-def test_calibration_doubles_only_when_the_slower_timed_call_pays(small_mlp):
-    """Each size is timed twice after its first call; the faster counts for the rates, but a doubling
-    must pay on the slower one too: one fast call must not grow the chunk (and its memory)."""
+def test_chunks_double_only_when_paired_timings_pay_and_the_plan_keeps_what_was_measured(small_mlp):
+    """Injected timings through ``ChunkRun.measured``: 16 rows are 40 % faster per row than 8, 32 only 3 %
+    faster than 16. The run keeps 16, drops 32 after the pairs that decide, and never runs a size more than
+    twice one it timed; the plan keeps the sizes timed, a memory bound over every peak and the size kept."""
     problem = build_problem(small_mlp, {"x": rand((8, 8))})
-
-    def calibrate(second_16: float) -> object:
-        run = ChunkRun(problem, Plan(strategy="vectorized"), Probe(), budget=None, chunk_rows=None,
-                       throughput_cap=True, refine="never", try_xla=False, pinned=False, on_plan=None)
-        for k, seconds, first in [(8, 1.0, True), (8, 0.08, False), (8, 0.08, False),
-                                  (16, 1.0, True), (16, 0.10, False), (16, second_16, False)]:
-            run.measured("vectorized", k, seconds, 1000 * k, first, 10_000)
-        return run.cal["vectorized"]
-
-    steady = calibrate(0.10)          # 16 rows in 0.10 s both times: 1.6x the rows/s of 8, keep doubling
-    assert steady.k == 32 and not steady.done
-    lucky = calibrate(0.16)           # one call 1.6x, the other no faster than 8 rows: stop at 16
-    assert lucky.done and lucky.k == 16 and lucky.seconds[16] == 0.10
+    per_row = {8: 0.010, 16: 0.006, 32: 0.0058}
+    plan = Plan(strategy="vectorized")
+    run = ChunkRun(problem, plan, Probe(), budget=None, chunk_rows=None, throughput_cap=True, refine="never",
+                   try_xla=False, pinned=False, on_plan=None)
+    run.pending = 10_000
+    called: set[int] = set(problem.model.compiled.sizes(run.key("vectorized")))
+    sizes = []
+    for _ in range(30):
+        _, k, planned = run.next_rows("vectorized", 10_000)
+        run.measured("vectorized", k, per_row[k] * k, 1000 * k + (5000 if k == 32 else 0), not called, 10_000,
+                     warm=k in called)
+        called.add(k)
+        sizes.append(k)
+    assert run.ladders["vectorized"].size == 16 and set(sizes[-10:]) == {16}, sizes
+    assert 32 in sizes and sizes.count(32) <= 4, sizes
+    record = plan.record("vectorized")
+    assert record.preferred_rows == 16 and set(record.rates) == {8, 16, 32}
+    assert all(record.memory(k) >= peak for k, peak in record.peaks.items()), (record.memory, record.peaks)
+    run.publish("vectorized", 16)
+    assert run.status["timed_rows"] == [8, 16, 32]
+    assert all(size <= max(8, 2 * before) for size, before in run.status["chunks_run"]), run.status["chunks_run"]

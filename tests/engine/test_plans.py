@@ -42,7 +42,7 @@ def test_a_stored_plan_is_found_and_spares_the_eager_checks(mlp_model, tmp_path,
     monkeypatch.setattr(problem_module, "_check_request", no_probe)
     problem, plan = _prepare(mlp_model, {"x": rand((3, 8), seed=1)}, cache)
     assert plan.source == "cache" and plan.key == first.key and plan.jobs == 1
-    assert plan.current.verified_rows and plan.current.rates
+    assert plan.current.verified_rows and plan.current.peaks and plan.current.memory is not None
     got = {}
     report = run_problem(problem, plan=plan, on_chunk=lambda s, r: got.update({s: r}))
     assert report.plan["source"] == "cache" and report.plan["trial"] is None

@@ -20,12 +20,13 @@ def key(**changes) -> PlanKey:
 def test_plan_round_trips_through_json():
     record = StrategyRecord(status="ok", verified=True, verified_rows=[8, 16], compile_s=1.5,
                             memory=LinearFit(1024.0, 4096.0), seconds=LinearFit(0.01, 0.002),
-                            rates={8: 100.0, 16: 150.0}, preferred_rows=16, batch=64)
+                            rates={8: 100.0, 16: 150.0}, peaks={8: 4096, 16: 8192}, preferred_rows=16, batch=64)
     plan = Plan(strategy="tiled", key=key(), source="trial", strategies={"tiled": record}, checked={"mode": "reverse"},
                 refined=True, work_s=12.5, jobs=3)
     again = Plan.loads(json.dumps(json.loads(plan.dumps())))
     assert again.to_json() == plan.to_json()
     assert again.strategies["tiled"].memory == LinearFit(1024.0, 4096.0) and again.key == plan.key
+    assert again.strategies["tiled"].peaks == {8: 4096, 16: 8192}
 
 
 def test_a_plan_of_another_format_is_refused():
@@ -33,6 +34,22 @@ def test_a_plan_of_another_format_is_refused():
     data["format"] = 1
     with pytest.raises(ValueError, match="format"):
         Plan.from_json(data)
+
+
+def test_a_plan_stored_before_memory_bounds_is_a_miss_not_a_crash(tmp_path):
+    """Format 2 plans hold a memory line through two peaks (an average, not a bound) and no peaks: a cache
+    that finds one treats it as a miss and the job plans afresh."""
+    from worker.engine.plan_cache import DiskPlanCache
+
+    cache = DiskPlanCache(tmp_path)
+    plan = Plan(strategy="tiled", key=key(), strategies={"tiled": StrategyRecord(status="ok", rates={8: 10.0})})
+    cache.put(plan)
+    assert cache.get(key()) is not None
+    old = plan.to_json()
+    old["format"] = 2
+    del old["strategies"]["tiled"]["peaks"]
+    (tmp_path / "plans" / f"{key().digest}.json").write_text(json.dumps(old))
+    assert cache.get(key()) is None
 
 
 @pytest.mark.parametrize("field,value", [("model", "e" * 32), ("tensorflow", "2.22.0"), ("device", "GPU/H100/cc9.0"),
@@ -90,24 +107,6 @@ def test_alternatives_batched_strategies_first_then_xla_and_without_the_tried():
     assert tuning.alternatives(batch, ["vectorized"], xla=False) == ["tiled", "per_example"]
     assert tuning.estimated_compile_s("vectorized", known=None, incumbent="tiled", incumbent_compile_s=2.0) == 12.0
     assert tuning.estimated_compile_s("vectorized", known=3.0, incumbent="tiled", incumbent_compile_s=2.0) == 3.0
-
-
-def test_calibration_grows_while_it_pays_and_fits():
-    # seconds per chunk: a fixed 0.1 s per call dominates at small sizes
-    secs = {8: 0.1 + 8 * 0.001, 16: 0.1 + 16 * 0.001}
-    assert tuning.keep_growing(secs, 16, peak_bytes=100, usable_bytes=1e9, max_rows=4096)
-    assert not tuning.keep_growing(secs, 16, peak_bytes=int(1e9), usable_bytes=1e9, max_rows=4096)   # memory
-    assert not tuning.keep_growing(secs, 16, peak_bytes=100, usable_bytes=1e9, max_rows=16)          # cap
-    flat = {8: 8 * 0.01, 16: 16 * 0.0098}                                                               # no gain
-    assert not tuning.keep_growing(flat, 16, peak_bytes=100, usable_bytes=1e9, max_rows=4096)
-    assert tuning.keep_growing(flat, 16, peak_bytes=100, usable_bytes=1e9, max_rows=4096, by_throughput=False)
-    assert tuning.keep_growing({8: 0.1}, 8, peak_bytes=100, usable_bytes=1e9, max_rows=4096)  # one point: try 16
-
-
-def test_preferred_chunk_is_the_largest_near_the_best_rate():
-    assert tuning.preferred_rows({8: 90.0, 16: 100.0, 32: 97.0}) == 32
-    assert tuning.preferred_rows({8: 90.0, 16: 100.0, 32: 80.0}) == 16
-    assert tuning.preferred_rows({}) is None
 
 
 def test_compiling_the_faster_strategy_is_bought_once_renting_has_lost_its_cost():

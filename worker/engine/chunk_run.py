@@ -1,5 +1,6 @@
-"""The state of one ``run_problem`` call: chunk calls, the eager reference rows that check them, calibration
-of chunk sizes on the job's own chunks, and shrinking on out-of-memory. The rules are in ``worker.engine.tuning``."""
+"""The state of one ``run_problem`` call: chunk calls, the eager reference rows that check them, chunk sizes
+grown on the job's own chunks (``worker.engine.ladder``), and shrinking on out-of-memory. The rules are in
+``worker.engine.tuning``."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from worker.engine import tuning
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
+from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
 from worker.engine.memory import MemoryProbe
 from worker.engine.plan import Plan, parse_label
-from worker.engine.planner import LinearFit, bucket_rows, fit_linear, plan_chunk
+from worker.engine.planner import LinearFit, bucket_rows, check_one_row_fits, fit_bound, fit_linear, plan_chunk
 from worker.engine.problem import Problem, error_summary
 from worker.engine.strategies import ChunkKey, chunk_function, is_compiled
 
@@ -82,20 +84,6 @@ def agrees(row: np.ndarray, seed: np.ndarray, reference: Any) -> bool:
     return abs(float(u @ row64) - float(w @ seed64)) <= tol * max(bound, 1e-300)
 
 
-@dataclass
-class Calibration:
-    """One strategy's chunk sizes so far in this run: calls, steady seconds and peaks per size."""
-
-    calls: dict[int, int] = field(default_factory=dict)
-    seconds: dict[int, float] = field(default_factory=dict)   # the faster of a size's timed calls
-    slowest: dict[int, float] = field(default_factory=dict)   # the slower one (growth must hold for it too)
-    peaks: dict[int, int] = field(default_factory=dict)
-    first_call_s: float | None = None
-    k: int = tuning.FIRST_ROWS
-    done: bool = False
-    too_big: int | None = None   # the smallest chunk that ran out of memory (or peaked near the limit)
-
-
 class ChunkRun:
     """The state of one ``run_problem`` call (see that function); ``worker.engine.runner.execute`` drives it."""
 
@@ -111,7 +99,10 @@ class ChunkRun:
         # XLA's memory is invisible to TensorFlow's allocator statistics on the CPU: no XLA under a budget there.
         self.try_xla = try_xla and (budget is None or getattr(probe, "is_gpu", False))
         self.batch = problem.of_shape[0] if problem.spec.batch_axis and problem.of_shape else None
-        self.cal: dict[str, Calibration] = {}
+        self.ladders: dict[str, Ladder] = {}
+        self.first_call: dict[str, tuple[int, float]] = {}   # per strategy: its first call's size and seconds
+        self.chunks_run: dict[int, int] = {}       # planned chunk size -> the least largest-timed size before it
+        self.new_size = False                      # the last call's size had not run before in this process
         self.rows_run = 0
         self.pending = problem.rows_total
         self.k_cap: dict[str, int] = {}
@@ -159,6 +150,7 @@ class ChunkRun:
         if xla:
             k = bucket_rows(k)
         first = not is_compiled(self.problem, label)
+        self.new_size = first or k not in self.problem.model.compiled.sizes(self.key(label))
         fn = chunk_function(self.problem, label)
         self.probe.before_chunk(k)
         self.probe.reset_peak()
@@ -223,9 +215,37 @@ class ChunkRun:
 
     # -- chunk sizes ----------------------------------------------------------------------------
 
+    def ladder(self, label: str) -> Ladder:
+        """This run's chunk sizes of ``label``, started from what the plan knows of it: a strategy the plan
+        has timed starts at ``plan_chunk`` (its kept size, at most twice the largest size timed) and, with
+        rows enough, compares that size with half of it again; an untimed one starts at ``FIRST_ROWS``."""
+        if label in self.ladders:
+            return self.ladders[label]
+        record = self.plan.record(label)
+        memory = record.memory_at(self.batch)
+        timed = set(record.rates)
+        called = set(self.problem.model.compiled.sizes(self.key(label)))
+        ladder = Ladder(size=tuning.FIRST_ROWS, by_throughput=self.throughput_cap, timed=timed, called=called)
+        if memory is not None and timed:
+            ladder.calibrated = True
+            kept = record.preferred_rows if self.throughput_cap else None
+            ladder.size = plan_chunk(rows_total=self.pending, memory=memory, free_bytes=self.free_at_start,
+                                     budget_bytes=self.budget, safety=SAFETY, max_rows=self.max_rows,
+                                     largest_timed_rows=max(timed), preferred_rows=kept,
+                                     peaks=record.peaks if record.batch in (None, self.batch) else None,
+                                     seconds=record.seconds if self.throughput_cap else None)
+            if kept and kept in record.rates:  # larger sizes the plan timed that did not pay are not tried again
+                ladder.rejected = {k for k, r in record.rates.items()
+                                   if k > kept and r < (1 + GROWTH_GAIN) * record.rates[kept]}
+            if ladder.size // 2 in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size:
+                ladder.recheck()
+        self.ladders[label] = ladder
+        return ladder
+
     def next_rows(self, label: str, remaining: int) -> tuple[int, int, int]:
         """``(n, k, planned)``: the next chunk keeps ``n <= remaining`` rows of a call of ``k >= n``
-        rows; ``planned`` is the chunk size the plan runs (the status's ``chunk_rows``).
+        rows; ``planned`` is the chunk size the run keeps (the status's ``chunk_rows``; a size being
+        compared with it may run in between).
 
         ``k > n`` only at the tail of a range, where a size already run (at most the bucket of the
         rows left) is cheaper than a new one: every new size pays a slow first call.
@@ -234,106 +254,76 @@ class ChunkRun:
             n = max(1, min(self.chunk_rows, remaining))
             return n, n, self.chunk_rows
         cap = min(self.k_cap.get(label, self.max_rows), self.max_rows)
-        cal = self.cal.setdefault(label, Calibration())
-        record = self.plan.record(label)
-        memory = record.memory_at(self.batch)
-        if not cal.done and memory is not None and record.rates and not cal.calls:
-            cal.done = True  # calibrated by an earlier job
-        if not cal.done:
-            k = max(1, min(cal.k, cap))
-        elif memory is None:
-            k = max(1, min(cal.k, cap))
-        else:
-            # Planned from the rows this run has to do (a shard's or a resumed job's, not the job's).
-            k = plan_chunk(rows_total=self.pending, memory=memory, free_bytes=self.free_at_start,
-                           budget_bytes=self.budget, safety=SAFETY, max_rows=self.max_rows,
-                           seconds=record.seconds if self.throughput_cap else None,
-                           preferred_rows=record.preferred_rows if self.throughput_cap else None)
-            k = max(1, min(k, cap))
+        ladder = self.ladder(label)
+        k, planned = max(1, min(ladder.next_size(), cap)), max(1, min(ladder.size, cap))
         if remaining >= k:
-            return k, k, k
+            return k, k, planned
         seen = [s for s in self.problem.model.compiled.sizes(self.key(label))
                 if remaining <= s <= bucket_rows(remaining)]
-        return remaining, (min(seen) if seen else remaining), k
+        return remaining, (min(seen) if seen else remaining), planned
 
-    def measured(self, label: str, k: int, seconds: float, peak: int, first: bool, remaining_after: int) -> None:
-        """Account a chunk of ``k`` rows; grow or settle the chunk of a calibrating strategy."""
-        cal = self.cal.setdefault(label, Calibration())
+    def can_grow_to(self, label: str, k: int, rows_left: int) -> bool:
+        """Whether ``label``'s chunk may double to ``k`` rows: within the chunk cap, with rows left to
+        measure it (its warm-up and every pair: the comparison ends before the rows do), and its predicted
+        peak (the bound through this run's peaks and the plan's line, with ``FIRST_CALL_MARGIN`` for a new
+        size's first call) under the limit. Growth stopped by the cap or by memory leaves the ladder
+        calibrated; by the rows running out, not."""
+        if rows_left < (comparison_rows(k) if self.throughput_cap else k):
+            return False
+        ladder, memory = self.ladders[label], self.plan.record(label).memory_at(self.batch)
+        predicted = max(fit_bound(ladder.peaks)(k), memory(k) if memory is not None else 0.0)
+        fits = (k <= min(self.k_cap.get(label, self.max_rows), self.max_rows)
+                and predicted * tuning.FIRST_CALL_MARGIN <= self.usable)
+        ladder.calibrated = ladder.calibrated or not fits
+        return fits
+
+    def measured(self, label: str, k: int, seconds: float, peak: int, first: bool, remaining_after: int, *,
+                 warm: bool) -> None:
+        """Account a chunk of ``k`` rows (``first``: the strategy's first call; ``warm``: its size had run
+        before in this process): its ladder decides the next sizes, the plan keeps what it measured."""
         record = self.plan.record(label)
         if first:
-            cal.first_call_s = seconds
-        if cal.done or self.chunk_rows is not None or k != cal.k:
-            if not first and k in record.rates:  # a running mean: single chunks are noisy
-                record.rates[k] = round(0.8 * record.rates[k] + 0.2 * k / max(seconds, 1e-9), 3)
-            elif not first:
-                record.rates[k] = round(k / max(seconds, 1e-9), 3)
+            self.first_call[label] = (k, seconds)
+        if self.chunk_rows is not None:
+            if warm:
+                old = record.rates.get(k)
+                rate = k / max(seconds, 1e-9)  # a running mean: single chunks are noisy
+                record.rates[k] = round(rate if old is None else 0.8 * old + 0.2 * rate, 3)
             return
-        cal.calls[k] = cal.calls.get(k, 0) + 1
-        cal.peaks[k] = max(cal.peaks.get(k, 0), peak)
-        if self.throughput_cap:
-            if cal.calls[k] == 1:
-                return  # a size's first call is slower (trace, allocator, oneDNN primitives): time the next two
-            cal.seconds[k] = min(seconds, cal.seconds.get(k, seconds))
-            cal.slowest[k] = max(seconds, cal.slowest.get(k, seconds))
-            if cal.calls[k] < 1 + tuning.TIMED_CALLS:
-                record.rates[k] = round(k / max(cal.seconds[k], 1e-9), 3)
-                return
-        else:  # planned by memory alone: the first call's peak (the higher one) is all it needs
-            cal.seconds[k] = seconds
-        record.rates[k] = round(k / max(cal.seconds[k], 1e-9), 3)
-        if cal.first_call_s is not None and record.compile_s is None and k == min(cal.seconds):
-            record.compile_s = round(max(cal.first_call_s - seconds, 0.0), 3)
-        # A doubling must pay even on the slower timed call of this size: judged on the faster one, a
-        # cold MobileNet job on the shared 2-core VM grew its chunks to 64 rows (0.7 of the peer's
-        # peak RSS) and kept 32, no faster than 16.
-        grow = tuning.keep_growing({**cal.seconds, k: cal.slowest.get(k, cal.seconds[k])}, k,
-                                   peak_bytes=cal.peaks[k], usable_bytes=self.usable,
-                                   max_rows=min(self.k_cap.get(label, self.max_rows), self.max_rows),
-                                   by_throughput=self.throughput_cap)
-        if grow and remaining_after >= 2 * k:
-            cal.k = 2 * k
-            return
+        ladder = self.ladder(label)
+        self.chunks_run[k] = min(self.chunks_run.get(k, ladder.largest_timed), ladder.largest_timed)
+        ladder.observe(k, seconds, peak, warm=warm,
+                       can_grow_to=lambda n: self.can_grow_to(label, n, remaining_after))
+        call = self.first_call.get(label)
+        if call is not None and record.compile_s is None and warm and k == call[0]:
+            record.compile_s = round(max(call[1] - seconds, 0.0), 3)
         self.settle(label)
 
-    def settle_unfinished(self) -> None:
-        """At the end of a whole job: settle every calibration the job's rows ran out on, from the sizes
-        it timed, so that the next job plans from them (and may run a trial) instead of calibrating from
-        the start again: repeated jobs smaller than a calibration would otherwise never settle. Not for
-        part of a job (a shard, a resumed job, the job planner's first block): the job's own rows would
-        then run at the few sizes a part had time to reach."""
-        if self.pending != self.problem.rows_total:
-            return
-        for label, cal in self.cal.items():
-            if not cal.done and cal.seconds and self.plan.record(label).status == "ok":
-                self.settle(label)
-
     def settle(self, label: str) -> None:
-        """Fit time and memory lines from the calibration and keep them in the plan."""
-        cal, record = self.cal[label], self.plan.record(label)
-        cal.done = True
-        timed = sorted(cal.seconds)
-        if not timed:
+        """Keep what this run measured of ``label`` in the plan: rates and peaks per size, the memory
+        bound through every peak measured at this batch size, a time line, and the size kept."""
+        ladder, record = self.ladders.get(label), self.plan.record(label)
+        if ladder is None or not ladder.peaks:
             return
-        floor = 2.0 * self.problem.layout.row_bytes  # XLA on the CPU reads 0: a row costs its result and seed
+        for k, rate in ladder.rates().items():
+            record.rates[k] = round(rate, 3)
+        peaks = dict(record.peaks) if record.batch in (None, self.batch) else {}
+        for k, peak in ladder.peaks.items():
+            peaks[k] = max(peaks.get(k, 0), peak)
+        record.peaks = peaks
+        # XLA on the CPU reads 0: a row costs at least its result and seed
+        record.memory = fit_bound(peaks, floor_per_row=2.0 * self.problem.layout.row_bytes)
+        check_one_row_fits(record.memory_at(self.batch) or record.memory, free_bytes=self.free_at_start,
+                           budget_bytes=self.budget, safety=SAFETY)
+        timed = sorted(k for k in record.rates if k in ladder.timed)
         if len(timed) >= 2:
-            k1, k2 = timed[-2], timed[-1]
-            memory = fit_linear(k1, cal.peaks[k1], k2, cal.peaks[k2])
-            seconds = fit_linear(k1, cal.seconds[k1], k2, cal.seconds[k2])
-        else:
-            k2 = timed[-1]
-            memory = LinearFit(0.0, cal.peaks[k2] / k2)
-            seconds = LinearFit(0.0, cal.seconds[k2] / k2)
-        per_row = max(memory.per_row, floor)
-        for k, peak in cal.peaks.items():  # a size with only its first call (not timed) peaked too
-            if k not in cal.seconds and memory.fixed + per_row * k < peak:
-                per_row = (peak - memory.fixed) / k
-        record.memory = LinearFit(memory.fixed, per_row)
-        if cal.too_big is not None:  # what the sizes that fitted do not show: the one that did not
-            record.memory = self.below(record.memory, cal.too_big)
-        record.seconds = seconds
-        record.preferred_rows = tuning.preferred_rows({k: k / cal.seconds[k] for k in timed})
+            record.seconds = fit_linear(timed[-2], timed[-2] / record.rates[timed[-2]],
+                                        timed[-1], timed[-1] / record.rates[timed[-1]])
+        elif timed:
+            record.seconds = LinearFit(0.0, 1.0 / record.rates[timed[-1]])
+        if ladder.size in record.rates:
+            record.preferred_rows = ladder.size
         record.batch = self.batch
-        record.status = "ok"
 
     def shrink(self, label: str, k: int, *, oom: bool) -> int:
         """After an OOM (or a peak near the limit) at ``k`` rows: halve, and correct the memory line
@@ -346,9 +336,12 @@ class ChunkRun:
         record = self.plan.record(label)
         if record.memory is not None:
             record.memory = self.below(record.memory, k)
-        cal = self.cal.setdefault(label, Calibration())
-        cal.k = min(cal.k, half)
-        cal.too_big = k if cal.too_big is None else min(cal.too_big, k)  # for the fit of a calibration under way
+        if label in self.ladders:
+            self.ladders[label].cap(half)
+        # What the peaks that fitted do not show, kept as a measurement: ``k`` rows need more than the limit.
+        if record.batch not in (None, self.batch):
+            record.peaks, record.batch = {}, self.batch
+        record.peaks[k] = max(record.peaks.get(k, 0), int(1.01 * self.usable) + 1)
         if oom:
             self.status["oom_retries"] += 1
         else:
@@ -377,9 +370,12 @@ class ChunkRun:
             per_row = int(self.last_peak / last_k)
         else:
             per_row = int(2 * self.problem.layout.row_bytes)  # a floor until a chunk is measured
+        ladder = self.ladders.get(label)
         new = {"strategy": label, "chunk_rows": k, "xla": parse_label(label)[1], "bytes_per_row": per_row,
                "fixed_bytes": int(memory.fixed) if memory else None,
-               "rows_per_second": {str(s): r for s, r in sorted(record.rates.items())}}
+               "rows_per_second": {str(s): r for s, r in sorted(record.rates.items())},
+               "timed_rows": sorted(ladder.timed) if ladder else sorted(record.rates),
+               "chunks_run": [[size, before] for size, before in sorted(self.chunks_run.items())]}
         changed = any(self.status.get(f) != new[f] for f in ("strategy", "chunk_rows"))
         self.status.update(new)
         if changed and self.on_plan and not final:

@@ -87,10 +87,11 @@ class StrategyRecord:
     verified: bool = False           # its rows matched the eager reference rows (at some chunk size)
     verified_rows: list[int] = field(default_factory=list)   # the chunk sizes whose rows were checked
     compile_s: float | None = None   # first call minus a steady call of the same size
-    memory: LinearFit | None = None  # peak bytes of a chunk, in rows
+    memory: LinearFit | None = None  # peak bytes of a chunk, in rows: at or above every measured peak
     seconds: LinearFit | None = None  # seconds of a chunk, in rows
-    rates: dict[int, float] = field(default_factory=dict)   # rows/s measured per chunk size
-    preferred_rows: int | None = None  # the smallest chunk within a few % of the best rows/s
+    rates: dict[int, float] = field(default_factory=dict)   # rows/s measured per chunk size (the sizes timed)
+    peaks: dict[int, int] = field(default_factory=dict)     # the largest peak bytes measured per chunk size
+    preferred_rows: int | None = None  # the chunk size kept: the last doubling that bought rows/s
     batch: int | None = None         # the batch size the fits were measured at
     peak_unseen: bool = False        # its chunks' peaks read 0: the allocator statistics do not see its memory
                                      # (XLA on the CPU), so a memory budget cannot bound it
@@ -104,6 +105,7 @@ class StrategyRecord:
         out["memory"] = None if self.memory is None else [self.memory.fixed, self.memory.per_row]
         out["seconds"] = None if self.seconds is None else [self.seconds.fixed, self.seconds.per_row]
         out["rates"] = {str(k): v for k, v in self.rates.items()}
+        out["peaks"] = {str(k): v for k, v in self.peaks.items()}
         return out
 
     @classmethod
@@ -115,6 +117,7 @@ class StrategyRecord:
                    memory=None if memory is None else LinearFit(float(memory[0]), float(memory[1])),
                    seconds=None if seconds is None else LinearFit(float(seconds[0]), float(seconds[1])),
                    rates={int(k): float(v) for k, v in (data.get("rates") or {}).items()},
+                   peaks={int(k): int(v) for k, v in (data.get("peaks") or {}).items()},
                    preferred_rows=data.get("preferred_rows"), batch=data.get("batch"),
                    peak_unseen=bool(data.get("peak_unseen")))
 

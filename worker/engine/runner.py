@@ -165,7 +165,7 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
             compute_s += seconds
             if run.chunk_rows is None and n > 1 and peak > 0.95 * run.limit:
                 run.shrink(label, n, oom=False)  # the fit under-predicted: shrink before the next chunk
-            run.measured(label, k, seconds, peak, first, hi - start - n)
+            run.measured(label, k, seconds, peak, first, pending - rows_done - n, warm=not run.new_size)
             if on_chunk:
                 on_chunk(start, rows)
             run.delivered.append((start, start + n, label))
@@ -175,8 +175,8 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
             rows_done += n
             if run.budget is not None and run.plan.record(label).peak_unseen and avoid_unseen(run, applicable, label):
                 continue  # a budget cannot bound memory the statistics do not see: the next chunk runs another
-            cal = run.cal.get(label)
-            if not first and cal is not None and cal.done:
+            ladder = run.ladders.get(label)
+            if not first and ladder is not None and ladder.is_settled and ladder.calibrated:
                 maybe_trial(run, applicable, rows_left=pending - rows_done, seconds_per_row=seconds / k)
                 if run.wrong_delivered:
                     mark_refined(run, applicable)
@@ -185,7 +185,6 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
                         f"strategy {label} delivered wrong rows (found by a trial against the eager reference "
                         f"rows); rows {run.wrong_delivered} must be computed again with {run.plan.strategy}",
                         ranges=list(run.wrong_delivered), learned=run.plan)
-    run.settle_unfinished()
     if run.status.get("chunk_rows") is not None:  # the measured figures, for the report (no callback)
         run.publish(run.plan.strategy, run.status["chunk_rows"], final=True)
     return rows_done, compute_s

@@ -9,11 +9,12 @@ from typing import Any
 import numpy as np
 
 from worker.engine import tuning
-from worker.engine.chunk_run import Calibration, ChunkRun, rows_agree
+from worker.engine.chunk_run import ChunkRun, rows_agree
 from worker.engine.errors import NotDifferentiable
+from worker.engine.ladder import Ladder
 from worker.engine.memory import is_out_of_memory
 from worker.engine.plan import Plan
-from worker.engine.planner import fit_linear
+from worker.engine.planner import fit_bound
 from worker.engine.problem import Problem, error_summary
 from worker.engine.strategies import is_compiled
 
@@ -228,7 +229,9 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
     if record.compile_s is not None:
         record.compile_s = round(max(record.compile_s - float(np.median(cand_times)) * k_small, 0.0), 3)
     if k_c != k_small:
-        record.memory = fit_linear(k_small, peak_small, k_c, max(peaks)) if max(peaks) > 0 else None
+        for k, peak in ((k_small, peak_small), (k_c, max(peaks))):
+            record.peaks[k] = max(record.peaks.get(k, 0), int(peak))
+        record.memory = fit_bound({k_small: peak_small, k_c: max(peaks)}) if max(peaks) > 0 else None
     ratio = float(np.median([c / i for i, c in zip(inc_times, cand_times)]))
     wins = tuning.candidate_wins(inc_times, cand_times)
     trial.update({"ratio": round(ratio, 4), "winner": candidate if wins else incumbent, "chunk_rows": k_c})
@@ -236,11 +239,11 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
              len(inc_times), "switch" if wins else "keep")
     if wins:
         plan.strategy, plan.source = candidate, "trial"
-        cal = run.cal.setdefault(candidate, Calibration())
-        cal.k = k_c
-        cal.calls[k_c] = 2
-        cal.seconds[k_c] = float(np.median(cand_times)) * k_c
-        cal.peaks[k_c] = max(peaks)
+        # The winner's chunk sizes start at the size it was timed at, and grow from there as they pay.
+        sizes = run.problem.model.compiled.sizes(run.key(candidate))
+        run.ladders[candidate] = Ladder(size=k_c, by_throughput=run.throughput_cap, timed={*record.rates, k_c},
+                                        called=set(sizes), samples={k_c: list(cand_times)},
+                                        peaks={k_c: max(peaks)})
 
 
 def _rows_hold(run: ChunkRun, trial: dict[str, Any], candidate: str, start: int, rows: np.ndarray,

@@ -19,13 +19,12 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   compile (``buy_compile``). A one-shot ``jacobian compute`` of 1000 MobileNet rows stays on ``tiled``
   (2.4 s compile) although ``vectorized`` is 1.6x faster per row (6.5 s compile); a worker switches
   after a job or two.
-- Calibration: each chunk size runs three times (the first call of a size is slower: allocator and
-  oneDNN primitives; the faster of the next two counts), growing by doubling from ``FIRST_ROWS`` while rows/s improve by
-  ``MIN_GROWTH_GAIN`` (measured on the slower of the new size's timed calls, and predicted for the
-  next size) and the measured peak, doubled
-  with a margin, still fits the memory limit. The chunk kept is the largest within ``FAST_ENOUGH``
-  of the best rows/s, so calibration rarely peaks above the job's own chunks, and never above the
-  limit. A job whose rows run out first settles on the sizes it timed (``ChunkRun.settle_unfinished``).
+- Chunk sizes (``worker.engine.ladder``): from ``FIRST_ROWS``, doubling only while a doubled size,
+  timed in interleaved pairs against the size it doubles on the job's own chunks, gives
+  ``ladder.GROWTH_GAIN`` more rows/s (median of the pairs) and its predicted peak (the memory bound
+  through the measured peaks, with ``FIRST_CALL_MARGIN``) fits the limit. A size that does not pay is
+  dropped as soon as the pairs say so; no chunk is ever more than twice the largest size timed. A plan's
+  kept size is compared with half of it again when a job starts with enough rows to pay for it.
 - Batch Jacobians have a third batched strategy, ``per_example`` (pfor over examples of pfor over
   features): the most expensive trace, so its trials come last.
 """
@@ -36,10 +35,8 @@ import statistics
 from collections.abc import Iterable
 
 FIRST_ROWS = 8            # the first chunk of an uncalibrated strategy
-TIMED_CALLS = 2           # steady calls timed per calibrated size (the faster counts: single timings are noisy)
-MIN_GROWTH_GAIN = 0.15    # a doubled chunk (twice the memory) must be this much faster per row to keep growing
 FIRST_CALL_MARGIN = 1.25  # a new chunk size's first call can peak this much above its steady calls
-FAST_ENOUGH = 0.95        # the preferred chunk: the smallest within 5 % of the best rows/s measured
+RECHECK_CHUNKS = 16       # a job re-checks its plan's chunk size when it has this many chunks of it to run
 EXPECTED_GAIN = 0.3       # what an alternative strategy may save, at most, as a fraction of the compute
 TIE_BAND = 0.05           # a candidate must be 5 % faster per row (median of pairs) to replace the incumbent
 TRIAL_PAIRS = 3           # timed (incumbent, candidate) pairs in a trial
@@ -94,38 +91,3 @@ def candidate_wins(incumbent_s_per_row: list[float], candidate_s_per_row: list[f
     """True when the median of paired ratios candidate/incumbent is below ``1 - tie_band``."""
     ratios = [c / i for i, c in zip(incumbent_s_per_row, candidate_s_per_row) if i > 0]
     return bool(ratios) and statistics.median(ratios) < 1.0 - tie_band
-
-
-def keep_growing(seconds: dict[int, float], k: int, *, peak_bytes: int, usable_bytes: float, max_rows: int,
-                 by_throughput: bool = True) -> bool:
-    """Whether calibration should try ``2k`` after timing ``k`` (``seconds``: steady seconds per size).
-
-    Memory: the measured peak doubled, with ``FIRST_CALL_MARGIN`` for a new size's first call, must
-    fit. Throughput (``by_throughput``): the last doubling bought ``MIN_GROWTH_GAIN`` rows/s, and the
-    time line through the last two sizes predicts the next one will too.
-    """
-    if 2 * k > max_rows or 2 * peak_bytes * FIRST_CALL_MARGIN > usable_bytes:
-        return False
-    if not by_throughput:
-        return True
-    smaller = [s for s in seconds if s < k]
-    if not smaller:
-        return True
-    j = max(smaller)
-    if k / seconds[k] < (1.0 + MIN_GROWTH_GAIN) * (j / seconds[j]):
-        return False
-    per_row = (seconds[k] - seconds[j]) / (k - j)
-    fixed = seconds[k] - per_row * k
-    if per_row <= 0:
-        return True
-    predicted_gain = (2 * k / (fixed + 2 * per_row * k)) / (k / seconds[k]) - 1.0
-    return predicted_gain >= MIN_GROWTH_GAIN
-
-
-def preferred_rows(rates: dict[int, float]) -> int | None:
-    """The largest measured chunk within ``FAST_ENOUGH`` of the best rows/s (calibration has already
-    paid its memory, so the largest near-best size costs no more and exploration stays below it)."""
-    if not rates:
-        return None
-    best = max(rates.values())
-    return max(k for k, r in rates.items() if r >= FAST_ENOUGH * best)

@@ -1,0 +1,155 @@
+"""Chunk sizes of one strategy in one run, by doubling from paired timings: pure logic, no TensorFlow.
+
+A ladder runs one size (``size``, the best measured so far) and grows to twice that size only when a
+paired, interleaved comparison on the job's own chunks shows the doubled size faster per row by
+``GROWTH_GAIN`` on this machine now; a size that does not pay is dropped as soon as the pairs decide,
+and the chunk goes back to the size it was compared with. No chunk it hands out is larger than twice
+the largest size timed (in this run or in the plan it started from), whatever the memory line says:
+a memory fit is extrapolated at most one doubling past what was measured.
+
+- Each size's first call in a process is a warm-up (trace, allocator, oneDNN primitives): not timed.
+- A comparison of ``small`` and ``large = 2 * small`` times them in turn (small, large, small, large,
+  ...). Each pair gives one ratio of per-row times; the median of ``PAIRS`` (so: the majority, which
+  may be known after two) decides. Load that comes and goes falls on both sides of a pair alike.
+- Memory-only ladders (``by_throughput=False``) grow after one call of a size while memory allows.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+GROWTH_GAIN = 0.10   # a doubled chunk (twice the memory) must give 10 % more rows/s, on paired timings
+PAIRS = 3            # pairs in a comparison: the median decides (the majority, often known after two)
+
+
+def comparison_rows(large: int) -> int:
+    """Rows a comparison of ``large // 2`` with ``large`` may take: the warm-up of ``large``, then ``PAIRS`` pairs."""
+    return large + PAIRS * (large // 2 + large)
+
+
+def growth_verdict(pairs: list[tuple[float, float]], *, gain: float = GROWTH_GAIN,
+                   pairs_needed: int = PAIRS) -> bool | None:
+    """Whether the larger size pays, from ``(small, large)`` per-row seconds of interleaved pairs.
+
+    True once a majority of ``pairs_needed`` pairs has ``large <= small / (1 + gain)`` (the median
+    of ``pairs_needed`` ratios is then below the bar), False once a majority has not, None before.
+    """
+    bar = 1.0 / (1.0 + gain)
+    good = sum(1 for s, lg in pairs if s > 0 and lg / s <= bar)
+    bad = len(pairs) - good
+    need = pairs_needed // 2 + 1
+    if good >= need:
+        return True
+    if bad >= need:
+        return False
+    return None
+
+
+@dataclass
+class Comparison:
+    """``small`` against ``large = 2 * small``, timed in interleaved pairs."""
+
+    small: int
+    large: int
+    pairs: list[tuple[float, float]] = field(default_factory=list)   # per-row seconds (small, large)
+    waiting: float | None = None      # the small side's timing, waiting for its large partner
+
+    def next_size(self, called: set[int]) -> int:
+        if self.large not in called:
+            return self.large            # its warm-up first: a new size's first call is not timed
+        if self.small not in called or self.waiting is None:
+            return self.small
+        return self.large
+
+
+@dataclass
+class Ladder:
+    """The chunk sizes of one strategy in one run; ``next_size`` says what runs next, ``observe`` takes
+    each chunk's timing and peak. ``timed``: sizes with a steady timing (the plan's and this run's)."""
+
+    size: int
+    by_throughput: bool = True
+    timed: set[int] = field(default_factory=set)
+    called: set[int] = field(default_factory=set)     # sizes already run in this process (warm)
+    rejected: set[int] = field(default_factory=set)   # sizes measured not to pay (never tried again here)
+    samples: dict[int, list[float]] = field(default_factory=dict)   # per-row seconds of timed calls, this run
+    peaks: dict[int, int] = field(default_factory=dict)             # peak bytes per size, this run
+    comparison: Comparison | None = None
+    growing: bool = True
+    calibrated: bool = False   # growth ended by a measurement (a verdict, memory, the cap), or the plan's was
+
+    @property
+    def largest_timed(self) -> int:
+        return max(self.timed, default=0)
+
+    @property
+    def is_settled(self) -> bool:
+        """No comparison under way and no growth to come: the size stays for the rest of the run."""
+        return self.comparison is None and not self.growing
+
+    def next_size(self) -> int:
+        """The next chunk's size: ``size``, or a side of the comparison under way."""
+        if self.comparison is not None:
+            return self.comparison.next_size(self.called)
+        return self.size
+
+    def recheck(self) -> None:
+        """Compare ``size`` with half of it first (a size a plan kept: does it still pay here, now?)."""
+        if self.size >= 2 and self.by_throughput:
+            self.comparison = Comparison(self.size // 2, self.size)
+
+    def cap(self, rows: int) -> None:
+        """No chunk above ``rows`` (out of memory at twice that, or a peak near the limit): no more growth."""
+        self.size = max(1, min(self.size, rows))
+        self.comparison, self.growing, self.calibrated = None, False, True
+
+    def observe(self, k: int, seconds: float, peak: int, *, warm: bool, can_grow_to: Callable[[int], bool]) -> None:
+        """Take a chunk of ``k`` rows; ``warm``: its size had run before in this process (a timed call).
+        ``can_grow_to(2 * size)`` says whether memory, the chunk cap and the rows left allow a doubling."""
+        self.called.add(k)
+        self.peaks[k] = max(self.peaks.get(k, 0), int(peak))
+        if not self.by_throughput:
+            self.timed.add(k)     # planned by memory alone: one call of a size is all it needs
+            self.samples.setdefault(k, []).append(seconds / max(k, 1))
+            if k == self.size and self.growing:
+                if can_grow_to(2 * k) and 2 * k not in self.rejected:
+                    self.size = 2 * k
+                else:
+                    self.growing = False
+            return
+        if not warm:
+            return
+        per_row = seconds / max(k, 1)
+        self.samples.setdefault(k, []).append(per_row)
+        self.timed.add(k)
+        c = self.comparison
+        if c is not None and k in (c.small, c.large):
+            if k == c.small:
+                c.waiting = per_row
+                return
+            if c.waiting is None:
+                return            # a large call with no small one before it: not a pair
+            c.pairs.append((c.waiting, per_row))
+            c.waiting = None
+            verdict = growth_verdict(c.pairs)
+            if verdict is None:
+                return
+            self.comparison = None
+            self.calibrated = True
+            if not verdict:       # slower, or not enough faster: back to the smaller size at once
+                self.size, self.growing = c.small, False
+                self.rejected.add(c.large)
+                return
+            self.size = c.large
+        if self.comparison is None and self.growing and k in (self.size, self.size // 2):
+            nxt = 2 * self.size
+            if nxt not in self.rejected and self.size in self.timed and can_grow_to(nxt):
+                self.comparison = Comparison(self.size, nxt)
+            else:
+                self.growing = False
+
+    def rates(self) -> dict[int, float]:
+        """Rows/s per size timed in this run: the median of its timed calls."""
+        return {k: 1.0 / statistics.median(v) for k, v in self.samples.items() if v and statistics.median(v) > 0}
