@@ -48,3 +48,34 @@ def test_a_transient_engine_error_is_retried():
     err = InvalidRequest("flaky")
     err.transient = True  # type: ignore[misc]
     assert classify(err, retries_left=True) is Outcome.RETRY
+
+
+def _attempt(timeout_s=None, rq_timeout=None, job_timeout_s=600):
+    from types import SimpleNamespace
+
+    from contracts.jobspec import ModelRef, QueuedJob
+    from contracts.settings import Settings
+    from worker.runs.attempt import Attempt
+
+    job = QueuedJob(id="j", model=ModelRef(path="/m"), inputs_uri="/r/j/inputs.npz", results_url="/r",
+                    timeout_s=timeout_s)
+    rq_job = None if rq_timeout is None else SimpleNamespace(timeout=rq_timeout, retries_left=None)
+    return Attempt(job, store=None, settings=Settings(job_timeout_s=job_timeout_s), rq_job=rq_job)
+
+
+@pytest.mark.parametrize("timeout_s,rq_timeout,limit,source", [
+    (5, 65, 5, "the request's timeout_s"),            # the request's limit; rq's backstop lies 60 s later
+    (None, 660, 600, "JACOBIAN_JOB_TIMEOUT_S"),      # the default (rq's backstop: default + 60 s)
+    (None, 2, 2, "JACOBIAN_JOB_TIMEOUT_S"),          # queued with a shorter rq timeout than the default
+    (None, None, 600, "JACOBIAN_JOB_TIMEOUT_S"),
+])
+def test_the_limit_is_the_requests_timeout_s_else_the_default(timeout_s, rq_timeout, limit, source):
+    attempt = _attempt(timeout_s, rq_timeout)
+    assert attempt.limit_s == limit
+    attempt.check_time()  # just started: within the limit
+    attempt.started_s -= limit + 0.5
+    with pytest.raises(JobTimeout) as caught:
+        attempt.check_time()
+    message = str(caught.value)
+    assert message.startswith("timeout_s: the job ran ") and f"its limit of {limit} s" in message
+    assert source in message and "JACOBIAN_MAX_JOB_TIMEOUT_S" in message
