@@ -98,6 +98,8 @@ class JacobianWorker(SimpleWorker):
         next handler."""
         from rq.exceptions import AbandonedJobError
 
+        from worker.supervisor import exit_cause_of
+
         if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
             return True
         retries_left = bool(job.retries_left and job.retries_left > 0)
@@ -109,7 +111,8 @@ class JacobianWorker(SimpleWorker):
         try:
             store = JobStore(self.connection, ttl_s=settings.result_ttl_s)
             failed = record_abandoned(store, job.func_name, spec, retries_left=retries_left,
-                                      how=death_cause(job.worker_name), max_deaths=settings.job_max_worker_deaths)
+                                      how=death_cause(job.worker_name, exit_cause_of(self.connection, job.worker_name)),
+                                      max_deaths=settings.job_max_worker_deaths)
         except Exception as err:  # noqa: BLE001 - rq's own bookkeeping of the job goes on
             log.warning("worker %s: could not record abandoned job %s: %s", self.name, job.id, err)
             return True
@@ -138,10 +141,12 @@ class JacobianWorker(SimpleWorker):
                 log.warning("worker %s: heartbeat failed: %s", self.name, err)
 
 
-def death_cause(worker_name: str | None) -> str:
-    """How a worker that stopped heartbeating died, as far as another worker can tell: an in-process worker
-    killed by a signal (SIGKILL from the OOM killer, SIGSEGV) leaves no exit status behind for anyone but its
-    parent, so the signal is unknown here."""
+def death_cause(worker_name: str | None, exit_cause: str | None = None) -> str:
+    """How a worker that stopped heartbeating died, as far as another worker can tell: its supervisor's note
+    (``worker.supervisor``: ``"SIGKILL (exit -9)"``), else unknown (an in-process worker killed by a signal
+    leaves its exit status to its parent alone)."""
+    if exit_cause:
+        return f"worker {worker_name or '?'} killed: {exit_cause}"
     return f"worker {worker_name or '?'} vanished (signal unknown: it stopped heartbeating)"
 
 

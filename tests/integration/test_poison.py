@@ -1,17 +1,20 @@
 """Poison jobs cannot take the fleet down; every job has a wall-clock limit (issue 28).
 
 A job whose worker dies twice while running it (the OOM killer's SIGKILL, here sent by the test: allocating
-more than this machine has would take the test machine down with it) ends ``failed`` with ``WorkerDied``,
-and the jobs queued behind it run. Real ``jacobian worker`` processes (``tests.integration.shard_worker``) on
-a private redis-server, as in test_faults.py. A job over its ``timeout_s`` ends ``failed`` with
-``JobTimeout`` naming that limit, with nothing left that could pass for a result.
+more than this machine has would take the test machine down with it) ends ``failed`` with ``WorkerDied``
+naming the signals, and the jobs queued behind it run. Real worker processes (``tests.integration.shard_worker``)
+under ``worker.supervisor`` on a private redis-server, as in test_faults.py. A job over its ``timeout_s`` ends
+``failed`` with ``JobTimeout`` naming that limit, with nothing left that could pass for a result.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -30,7 +33,7 @@ from contracts.settings import get_settings
 from tests import models
 from tests.conftest import work_burst
 from tests.integration.shard_worker import DELAY_KEY
-from tests.integration.test_faults import BLOCK_BYTES, QUEUE, SIZES, Pool, committed, x_input
+from tests.integration.test_faults import BLOCK_BYTES, QUEUE, REPO, SIZES, Pool, committed, x_input
 
 pytestmark = pytest.mark.integration
 
@@ -42,14 +45,30 @@ def model_root(tmp_path_factory) -> Path:
     return root
 
 
+class SupervisedPool(Pool):
+    """``Pool``'s workers, each under ``worker.supervisor`` (as ``jacobian worker --supervise`` runs them): a killed
+    worker is started again, and how it died is noted for the job's error."""
+
+    def start_worker(self) -> subprocess.Popen:
+        log_path = self.tmp / f"worker{len(self.procs)}.log"
+        self.logs.append(log_path)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "worker.supervisor", sys.executable, "-m",
+                                     "tests.integration.shard_worker"], cwd=REPO, env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+
 def rq_job(conn, job_id: str) -> Job:
     return Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
 
 
 def test_a_job_that_kills_its_worker_twice_fails_as_worker_died_and_the_queue_goes_on(tmp_path_factory, model_root):
-    """SIGKILL whichever worker runs the job, twice: the second death fails it as ``WorkerDied`` although rq has
-    a retry left; it is never run a third time, and the jobs queued behind it and after it succeed."""
-    pool = Pool(tmp_path_factory.mktemp("poison"), model_root, s3_endpoint="http://127.0.0.1:9")
+    """SIGKILL whichever worker runs the job, twice (each comes back, restarted by its supervisor): the second
+    death fails the job as ``WorkerDied`` naming both SIGKILLs, although rq has a retry left; it is never run a
+    third time, and the jobs queued behind it and after it succeed."""
+    pool = SupervisedPool(tmp_path_factory.mktemp("poison"), model_root, s3_endpoint="http://127.0.0.1:9")
     try:
         pool.conn.set(DELAY_KEY, "0.02")  # 128 blocks: about 3 s a job, long enough to be killed mid-run
         store = pool.store()
@@ -64,28 +83,25 @@ def test_a_job_that_kills_its_worker_twice_fails_as_worker_died_and_the_queue_go
 
             pool.wait(running_on_a_live_worker, timeout_s=60, poll_s=0.05, what=f"the job running (death {death})")
             name = rq_job(pool.conn, poison).worker_name
-            victim = next(p for p in pool.procs if name.endswith(f".{p.pid}"))
-            victim.send_signal(signal.SIGKILL)
-            victim.wait(timeout=30)
+            os.kill(int(name.rsplit(".", 1)[1]), signal.SIGKILL)  # the worker, a child of its supervisor
             victims.append(name)
-            if death == 1:
-                pool.start_worker()  # as a supervisor restarts a dead worker; it finds the second death
         rec = pool.wait_terminal(poison, timeout_s=90)
+        print(f"\n[poison] {rec.error}")
         assert rec.status == JobStatus.failed and rec.error["type"] == "WorkerDied", (rec.error, pool.log_tail())
-        assert len(rec.deaths) == 2 and "died 2 times" in rec.error["message"], rec
-        assert all(name in rec.error["message"] for name in victims), rec.error
+        assert rec.deaths == [f"worker {name} killed: SIGKILL (exit -9)" for name in victims], rec
+        assert "died 2 times" in rec.error["message"] and all(d in rec.error["message"] for d in rec.deaths)
         assert "memory_budget_bytes" in rec.error["message"]
         job = rq_job(pool.conn, poison)
         assert job.get_status() == RqStatus.FAILED  # rq's last retry was called off: not queued nor scheduled
         queue = Queue(QUEUE, connection=pool.conn, serializer=JSONSerializer)
         assert poison not in queue.get_job_ids() and poison not in queue.scheduled_job_registry.get_job_ids()
-        print(f"\n[poison] {rec.error['message']}")
         assert not (Path(pool.results) / poison / "manifest.json").exists()
         pool.conn.delete(DELAY_KEY)
         assert pool.wait_terminal(behind, timeout_s=60).status == JobStatus.succeeded, pool.log_tail()
         after = pool.wait_terminal(pool.submit(), timeout_s=60)
         assert after.status == JobStatus.succeeded, (after.error, pool.log_tail())
         assert rq_job(pool.conn, poison).worker_name == victims[1]  # never started a third time
+        assert pool.live() == 2 and all(p.poll() is None for p in pool.procs)  # both supervisors restarted theirs
     finally:
         pool.conn.delete(DELAY_KEY)
         pool.close()

@@ -79,3 +79,14 @@ def test_the_limit_is_the_requests_timeout_s_else_the_default(timeout_s, rq_time
     message = str(caught.value)
     assert message.startswith("timeout_s: the job ran ") and f"its limit of {limit} s" in message
     assert source in message and "JACOBIAN_MAX_JOB_TIMEOUT_S" in message
+
+
+def test_a_supervisors_note_names_the_signal_in_the_death():
+    from worker.main import death_cause
+    from worker.supervisor import describe_exit, host_pid
+
+    assert describe_exit(-9) == "SIGKILL (exit -9)" and describe_exit(-11) == "SIGSEGV (exit -11)"
+    assert describe_exit(3) == "exit status 3"
+    assert host_pid("vm.example.org.4242.gpu0.r2") == "vm.example.org.4242" == host_pid("vm.example.org.4242")
+    assert death_cause("vm.42", "SIGKILL (exit -9)") == "worker vm.42 killed: SIGKILL (exit -9)"
+    assert "signal unknown" in death_cause("vm.42", None)
