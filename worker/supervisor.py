@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -58,19 +59,31 @@ def exit_cause_of(connection: Any, worker_name: str | None) -> str | None:
 def supervise(command: list[str], *, connection: Any, restart_delay_s: float = 1.0) -> int:
     """Run ``command`` (a worker) until it exits by itself with status 0 or this process gets SIGTERM/SIGINT
     (passed on to the child); every other end is noted (``EXIT_KEY_TEMPLATE``) and the child started again
-    after ``restart_delay_s``. Returns the last child's exit status."""
+    after ``restart_delay_s``, doubled after each child that lived less than a minute (up to 30 s: a worker
+    that cannot start is not restarted in a tight loop). Returns the last child's exit status."""
     stop = threading.Event()
-    child: subprocess.Popen[bytes] | None = None
+    children: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: Any) -> None:
         stop.set()
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        if children and children[-1].poll() is None:
+            children[-1].send_signal(signum)
 
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, forward)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run(command, connection, stop, restart_delay_s, lambda c: children.append(c))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run(command: list[str], connection: Any, stop: threading.Event, restart_delay_s: float,
+         started_child: Any) -> int:
+    delay_s = restart_delay_s
     while True:
+        started = time.monotonic()
         child = subprocess.Popen(command)
+        started_child(child)
         returncode = child.wait()
         if stop.is_set() or returncode == 0:
             return returncode
@@ -80,9 +93,11 @@ def supervise(command: list[str], *, connection: Any, restart_delay_s: float = 1
             connection.set(key, cause, ex=EXIT_TTL_S)
         except Exception as err:  # noqa: BLE001 - a lost note must not stop the restart
             log.warning("supervisor: could not note how worker %s ended (%s): %s", child.pid, cause, err)
-        log.warning("supervisor: worker %s ended: %s; starting another in %.1f s", child.pid, cause, restart_delay_s)
-        if stop.wait(restart_delay_s):
+        delay_s = restart_delay_s if time.monotonic() - started > 60 else delay_s
+        log.warning("supervisor: worker %s ended: %s; starting another in %.1f s", child.pid, cause, delay_s)
+        if stop.wait(delay_s):
             return returncode
+        delay_s = min(delay_s * 2, 30.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,3 +90,27 @@ def test_a_supervisors_note_names_the_signal_in_the_death():
     assert host_pid("vm.example.org.4242.gpu0.r2") == "vm.example.org.4242" == host_pid("vm.example.org.4242")
     assert death_cause("vm.42", "SIGKILL (exit -9)") == "worker vm.42 killed: SIGKILL (exit -9)"
     assert "signal unknown" in death_cause("vm.42", None)
+
+
+def test_the_supervisor_notes_a_killed_child_restarts_it_and_stops_when_it_exits_cleanly(tmp_path):
+    """A real child process: killed by SIGKILL at its first run (noted under its host.pid), exits 0 at its second."""
+    import socket
+    import sys
+
+    from worker.supervisor import EXIT_KEY_TEMPLATE, supervise
+
+    class Notes(dict):
+        def set(self, key, value, ex=None):  # noqa: ANN001 - the one Redis call supervise makes
+            self[key] = (value, ex)
+
+    marker = tmp_path / "ran-once"
+    script = (f"import os, pathlib, signal; m = pathlib.Path({str(marker)!r}); print(os.getpid(), flush=True)\n"
+              "if not m.exists():\n    m.write_text(str(os.getpid())); os.kill(os.getpid(), signal.SIGKILL)\n")
+    import signal
+
+    notes, before = Notes(), signal.getsignal(signal.SIGINT)
+    assert supervise([sys.executable, "-c", script], connection=notes, restart_delay_s=0.01) == 0
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handlers are put back
+    first_pid = marker.read_text()
+    assert notes == {EXIT_KEY_TEMPLATE.format(host_pid=f"{socket.gethostname()}.{first_pid}"):
+                     ("SIGKILL (exit -9)", 3600)}
