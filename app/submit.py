@@ -29,6 +29,7 @@ from contracts import npz, storage
 from contracts.jobspec import (
     RUN_JOB_TASK,
     SEEDS_MEMBER,
+    TIMEOUT_BACKSTOP_S,
     JobCreate,
     JobOptions,
     JobStatus,
@@ -119,6 +120,10 @@ def validate(body: bytes, media: str, query: Mapping[str, str],
                                  "in the body")
         job = tensors.parse_job_json(body)
         options, model = JobOptions.model_validate(job.model_dump(include=set(JobOptions.model_fields))), job.model
+    if options.timeout_s is not None and options.timeout_s > settings.max_job_timeout_s:
+        raise InvalidRequest(f"timeout_s: {options.timeout_s} s is more than the {settings.max_job_timeout_s} s "
+                             "this service allows (JACOBIAN_MAX_JOB_TIMEOUT_S); ask for less or split the job "
+                             "(\"shards\")", field="timeout_s")
     model_dir, info, sig = load_signature(model.path, model.signature, settings.model_roots,
                                           op_allow=settings.model_op_allow,
                                           path_field="model.path" if job else "model_path",
@@ -241,7 +246,7 @@ def enqueue(job_id: str, queued: QueuedJob, arrays: Mapping[str, np.ndarray], *,
     try:
         store.create(JobRecord(id=job_id, status=JobStatus.queued, spec=spec, created_at=time.time()))
         queue.enqueue_call(
-            RUN_JOB_TASK, args=(spec,), job_id=job_id, timeout=settings.job_timeout_s,
+            RUN_JOB_TASK, args=(spec,), job_id=job_id, timeout=rq_timeout_s(queued, settings),
             result_ttl=settings.result_ttl_s, failure_ttl=settings.result_ttl_s,
             description=f"{spec['kind']} job {job_id}",
             retry=Retry(max=settings.job_retries, interval=RETRY_INTERVALS_S) if settings.job_retries > 0 else None)
@@ -249,6 +254,12 @@ def enqueue(job_id: str, queued: QueuedJob, arrays: Mapping[str, np.ndarray], *,
         _roll_back(job_id, queued.results_url, store)
         raise
     JOBS_SUBMITTED.labels(spec["kind"]).inc()
+
+
+def rq_timeout_s(job: QueuedJob, settings: Settings) -> int:
+    """rq's job timeout: a backstop for a chunk that never returns, ``TIMEOUT_BACKSTOP_S`` past the job's
+    limit (its ``timeout_s``, else ``JACOBIAN_JOB_TIMEOUT_S``), which the worker checks between chunks."""
+    return (job.timeout_s or settings.job_timeout_s) + TIMEOUT_BACKSTOP_S
 
 
 def _roll_back(job_id: str, results_url: str, store: JobStore) -> None:

@@ -89,6 +89,7 @@ ALLOWED_MOVES: dict[JobStatus, frozenset[JobStatus]] = {
 
 RUN_JOB_TASK = "worker.tasks.run_job"  # the rq entry points, enqueued by dotted path (no TensorFlow in the API)
 FINALIZE_JOB_TASK = "worker.tasks.finalize_job"
+TIMEOUT_BACKSTOP_S = 60  # rq's job timeout lies this far past a job's limit: the worker checks the limit itself
 
 
 class ModelRef(BaseModel):
@@ -151,6 +152,9 @@ class JobOptions(BaseModel):
     reduce: str | None = Field(None, description="'sum' to take the Hessian of sum(of) for a non-scalar of")
     check_independence: bool = False
     memory_budget_bytes: int | None = Field(None, gt=0, le=MAX_INT64)
+    timeout_s: int | None = Field(None, gt=0, le=MAX_INT64, description="wall-clock limit of the job (seconds; at "
+                                  "most JACOBIAN_MAX_JOB_TIMEOUT_S); past it the job ends failed with error type "
+                                  "JobTimeout; null: JACOBIAN_JOB_TIMEOUT_S")
     output_dtype: str | None = Field(None, description="store the result as this float dtype (default: of's dtype)")
     shards: int | None = Field(None, ge=1, description="row-range shards, each its own rq job (null: chosen from the "
                                "row count, the storage blocks and the live workers; see README 'Scale-out')")

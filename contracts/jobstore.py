@@ -44,6 +44,7 @@ class JobRecord:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     cancel_requested: bool = False
+    deaths: list[str] = field(default_factory=list)  # how each worker that died running it died, oldest first
 
     def public(self) -> JobPublic:
         """The ``GET /v1/jobs/{id}`` body; raises ``CorruptRecord`` when the stored fields do not fit it."""
@@ -95,6 +96,18 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
+# KEYS: the job hash. ARGV: how the worker died. Appends to the JSON list 'deaths'; returns it (nil: no record).
+_RECORD_DEATH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local raw = redis.call('HGET', KEYS[1], 'deaths')
+local deaths = {}
+if raw and raw ~= '' then deaths = cjson.decode(raw) end
+table.insert(deaths, ARGV[1])
+local out = cjson.encode(deaths)
+redis.call('HSET', KEYS[1], 'deaths', out)
+return out
+"""
+
 
 def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The progress of a sharded job: rows summed over shards, the rate summed over unfinished ones.
@@ -134,6 +147,7 @@ class JobStore:
         self.ttl_s = ttl_s
         self._transition = connection.register_script(_TRANSITION_LUA)
         self._set_fields = connection.register_script(_SET_FIELDS_LUA)
+        self._record_death = connection.register_script(_RECORD_DEATH_LUA)
 
     def key(self, job_id: str) -> str:
         return self.job_key_template.format(id=job_id)
@@ -202,6 +216,14 @@ class JobStore:
             return self.exists(job_id)
         pairs = [item for pair in mapping.items() for item in pair]
         return self._set_fields(keys=[self.key(job_id)], args=pairs) == 1
+
+    def record_death(self, job_id: str, how: str) -> list[str]:
+        """Count one more death of a worker running the job (``how`` it died), atomically; returns every death
+        recorded so far, oldest first. Raises ``JobNotFound`` (no record), ``redis.RedisError``."""
+        out = self._record_death(keys=[self.key(job_id)], args=[how])
+        if out is None:
+            raise JobNotFound(job_id)
+        return [str(d) for d in json.loads(out)]
 
     def delete(self, job_id: str) -> bool:
         """Remove the job's record, its index entry and its shards hash (one transaction); True when a
@@ -338,6 +360,7 @@ class JobStore:
             "result": json.dumps(dump(record.result)),
             "error": json.dumps(dump(record.error)),
             "cancel_requested": "1" if record.cancel_requested else "0",
+            "deaths": json.dumps(record.deaths),
         }
 
     @staticmethod
@@ -354,7 +377,7 @@ class JobStore:
             id=job_id, status=JobStatus(d.get("status", "queued")), spec=j("spec", {}),
             created_at=f("created_at") or 0.0, started_at=f("started_at"), finished_at=f("finished_at"),
             progress=j("progress", {}), plan=j("plan", {}), result=j("result", None), error=j("error", None),
-            cancel_requested=d.get("cancel_requested") == "1",
+            cancel_requested=d.get("cancel_requested") == "1", deaths=j("deaths", []),
         )
 
 

@@ -38,7 +38,11 @@ class Settings(BaseSettings):
     max_input_bytes: int = Field(512 * 1024 * 1024, description="bytes of all input tensors of a job together, "
                                  "decoded (itemsize x elements), however they are sent")
     max_result_bytes: int = 1 << 40
-    job_timeout_s: int = 24 * 3600
+    job_timeout_s: int = Field(24 * 3600, ge=1, description="a job's wall-clock limit (seconds) when its request "
+                               "sets no timeout_s")
+    max_job_timeout_s: int = Field(7 * 24 * 3600, ge=1, description="the largest timeout_s a request may ask for")
+    job_max_worker_deaths: int = Field(2, ge=1, description="a job whose worker died this many times while running "
+                                       "it fails as WorkerDied instead of running again")
     result_ttl_s: int = 7 * 24 * 3600
     job_retries: int = 2
     worker_heartbeat_s: int = Field(10, ge=1, description="worker heartbeat interval while a job runs")

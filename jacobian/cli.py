@@ -85,6 +85,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """One rq worker on this process (set ``JACOBIAN_GPU`` to pin a GPU)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.supervise:  # a parent that restarts the worker and notes how it died (worker.supervisor)
+        from worker.supervisor import main as supervise
+
+        return supervise([sys.executable, "-m", "jacobian", "worker"] + (["--burst"] if args.burst else []))
     from worker.main import run_worker
 
     run_worker(burst=args.burst)
@@ -233,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve, needs=("api",))
     p = sub.add_parser("worker", help="run one worker (one per GPU)")
     p.add_argument("--burst", action="store_true", help="quit when the queue is empty")
+    p.add_argument("--supervise", action="store_true", help="run the worker as a child process, restart it when it "
+                   "dies and note the signal (SIGKILL, SIGSEGV) for the job's WorkerDied error")
     p.set_defaults(func=cmd_worker, needs=("worker",))
     p = sub.add_parser("up", help="Redis (if none reachable), the API and one worker, results on local disk")
     p.add_argument("--host", default="127.0.0.1")

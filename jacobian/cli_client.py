@@ -73,7 +73,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                "check_independence": True if args.check_independence else None,
                "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards,
                "precision": args.precision, "rank": args.rank, "tol": args.tol, "samples": args.samples,
-               "sparsity": sparsity_option(args.sparsity)}
+               "sparsity": sparsity_option(args.sparsity), "timeout_s": args.job_timeout}
     with _client(args) as client:
         if args.dry_run:
             try:
@@ -314,6 +314,8 @@ def register(sub: Any) -> None:
                    help="GPU matmul precision (default highest: TensorFloat-32 off; tf32: faster, ~1e-3)")
     p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on the memory of a chunk (bytes)")
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
+    p.add_argument("--job-timeout", type=int, metavar="S", help="the job's wall-clock limit (request field timeout_s; "
+                   "default JACOBIAN_JOB_TIMEOUT_S on the server)")
     p.add_argument("--shards", type=int, metavar="N", help="split the job into N row-range shards")
     p.add_argument("--sparsity", metavar="auto|pattern_from:ID|URL",
                    help="kind jacobian: compute J as a sparse (COO) matrix from its sparsity pattern: 'auto' "

@@ -93,21 +93,31 @@ class JacobianWorker(SimpleWorker):
 
     def _on_abandoned(self, job: Any, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
         """Exception handler of rq's maintenance: a job whose worker died (``AbandonedJobError``) gets its
-        record moved with ``record_abandoned``; other exceptions go on to the next handler."""
+        record moved with ``record_abandoned``; when that fails the job for good (its worker died
+        ``JACOBIAN_JOB_MAX_WORKER_DEATHS`` times), rq's retry is called off. Other exceptions go on to the
+        next handler."""
         from rq.exceptions import AbandonedJobError
+
+        from worker.supervisor import exit_cause_of
 
         if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
             return True
         retries_left = bool(job.retries_left and job.retries_left > 0)
         getattr(self, "_abandoned_ids", set()).add(job.id)
-        log.warning("worker %s: job %s was abandoned (its worker died); %s", self.name, job.id,
+        log.warning("worker %s: job %s was abandoned (its worker %s died); %s", self.name, job.id, job.worker_name,
                     "rq retries it" if retries_left else "no retries left")
         spec = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
+        settings = get_settings()
         try:
-            store = JobStore(self.connection, ttl_s=get_settings().result_ttl_s)
-            record_abandoned(store, job.func_name, spec, retries_left=retries_left)
+            store = JobStore(self.connection, ttl_s=settings.result_ttl_s)
+            failed = record_abandoned(store, job.func_name, spec, retries_left=retries_left,
+                                      how=death_cause(job.worker_name, exit_cause_of(self.connection, job.worker_name)),
+                                      max_deaths=settings.job_max_worker_deaths)
         except Exception as err:  # noqa: BLE001 - rq's own bookkeeping of the job goes on
             log.warning("worker %s: could not record abandoned job %s: %s", self.name, job.id, err)
+            return True
+        if failed and retries_left:
+            job.retries_left = 0  # read by rq's cleanup right after this handler: to the failed registry
         return True
 
     def execute_job(self, job: Any, queue: Any) -> None:
@@ -131,11 +141,25 @@ class JacobianWorker(SimpleWorker):
                 log.warning("worker %s: heartbeat failed: %s", self.name, err)
 
 
-def record_abandoned(store: JobStore, task: str | None, spec: dict[str, Any], *, retries_left: bool) -> bool:
-    """Move the record of a job whose rq job was abandoned (its worker died); True when it moved.
+def death_cause(worker_name: str | None, exit_cause: str | None = None) -> str:
+    """How a worker that stopped heartbeating died, as far as another worker can tell: its supervisor's note
+    (``worker.supervisor``: ``"SIGKILL (exit -9)"``), else unknown (an in-process worker killed by a signal
+    leaves its exit status to its parent alone)."""
+    if exit_cause:
+        return f"worker {worker_name or '?'} killed: {exit_cause}"
+    return f"worker {worker_name or '?'} vanished (signal unknown: it stopped heartbeating)"
 
-    - ``run_job`` of the job itself with no retries left, or its ``finalize_job`` (sharded) with none:
-      ``failed`` as ``WorkerDied``, with the record's TTL, so that it never stays ``running``;
+
+def record_abandoned(store: JobStore, task: str | None, spec: dict[str, Any], *, retries_left: bool,
+                     how: str = "signal unknown", max_deaths: int = 2) -> bool:
+    """Move the record of a job whose rq job was abandoned (its worker died); True when the job is ``failed``.
+
+    - ``run_job`` of the job itself while ``running``: the death (``how``) is counted on the record
+      (``JobStore.record_death``); at the ``max_deaths``-th it is ``failed`` as ``WorkerDied`` naming every
+      death and the likely fix, whatever rq retries are left (a job that kills its worker would kill the
+      next one: the queue goes on without it);
+    - ``run_job`` of the job itself or its ``finalize_job`` (sharded) with no retries left: ``failed`` as
+      ``WorkerDied``, with the record's TTL, so that it never stays ``running``;
     - ``run_job`` of the job itself with a retry left: ``queued`` again (a transient ``WorkerDied``
       error), as rq has requeued it; the next attempt moves it to ``running``;
     - a shard: nothing (its finalizer fails the job, naming the shard); a finalizer with a retry left:
@@ -148,14 +172,24 @@ def record_abandoned(store: JobStore, task: str | None, spec: dict[str, Any], *,
     if task not in (RUN_JOB_TASK, FINALIZE_JOB_TASK) or spec.get("shard") is not None or not job_id:
         return False
     what = "this job's finalizer" if task == FINALIZE_JOB_TASK else "this job"
+    deaths: list[str] = []
+    if task == RUN_JOB_TASK and store.get(job_id).status == JobStatus.running:
+        deaths = store.record_death(job_id, how)
+    if len(deaths) >= max_deaths:
+        message = (f"the worker running this job died {len(deaths)} times while running it "
+                   f"({'; '.join(deaths)}); it is not run again. A job that kills its worker most often runs "
+                   "out of host or accelerator memory (the OOM killer sends SIGKILL) or crashes native code "
+                   "(SIGSEGV): set a lower memory_budget_bytes, send smaller inputs or split the job "
+                   "(\"shards\"), then resubmit")
+        return store.transition(job_id, JobStatus.failed, error=ErrorInfo(type="WorkerDied", message=message))
+    died = f"the worker running {what} died ({deaths[-1] if deaths else 'its heartbeat expired'})"
     if not retries_left:
-        message = (f"the worker running {what} died (its heartbeat expired) and no retries were left; "
-                   "resubmit the job")
+        message = f"{died} and no retries were left; resubmit the job"
         return store.transition(job_id, JobStatus.failed, error=ErrorInfo(type="WorkerDied", message=message))
     if task == RUN_JOB_TASK:
-        message = "the worker running this job died (its heartbeat expired); rq runs it again on another worker"
-        return store.transition(job_id, JobStatus.queued,
-                                error=ErrorInfo(type="WorkerDied", message=message, transient=True))
+        message = (f"{died}; rq runs it again on another worker (it fails when its worker dies {max_deaths} "
+                   "times)")
+        store.transition(job_id, JobStatus.queued, error=ErrorInfo(type="WorkerDied", message=message, transient=True))
     return False
 
 

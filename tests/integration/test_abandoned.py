@@ -119,3 +119,43 @@ def test_a_job_that_already_ended_is_left_as_it_is(settings, redis_conn):
     start_and_abandon(redis_conn, settings, FINALIZE_JOB_TASK, spec, finalizer_job_id(job_id))
 
     assert redis_conn.hgetall(store.key(job_id)) == before
+
+
+def test_job_whose_worker_died_twice_fails_as_worker_died_with_retries_left(settings, redis_conn):
+    """Each death is counted on the record; the second fails the job although rq has retries left, and rq's
+    retry is called off (the rq job ends in the failed registry, not on the queue)."""
+    from rq.job import Job
+
+    job_id, spec = running_job(redis_conn)
+    store = JobStore(redis_conn)
+    start_and_abandon(redis_conn, settings, RUN_JOB_TASK, spec, job_id, retry=Retry(max=3))
+    first = store.get(job_id)
+    assert first.status == JobStatus.queued and len(first.deaths) == 1, first
+    assert "signal unknown" in first.deaths[0] and first.deaths[0] in first.error["message"]
+    queue = Queue(settings.queue_name, connection=redis_conn, serializer=JSONSerializer)
+    assert job_id in queue.get_job_ids()  # rq requeued it
+    queue.remove(job_id)  # the next attempt picks it up (start_and_abandon enqueues it again)
+    assert store.transition(job_id, JobStatus.running)
+    start_and_abandon(redis_conn, settings, RUN_JOB_TASK, spec, job_id, retry=Retry(max=3))
+
+    record = store.get(job_id)
+    assert record.status == JobStatus.failed and record.error["type"] == "WorkerDied", record
+    assert len(record.deaths) == 2 and "died 2 times" in record.error["message"]
+    assert all(d in record.error["message"] for d in record.deaths)
+    assert "memory_budget_bytes" in record.error["message"]
+    rq_job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+    assert rq_job.get_status() == RqStatus.FAILED and rq_job.retries_left == 0
+    assert job_id not in queue.get_job_ids()
+
+
+def test_deaths_are_counted_atomically(settings, redis_conn):
+    import threading
+
+    job_id, _ = running_job(redis_conn)
+    store = JobStore(redis_conn)
+    threads = [threading.Thread(target=store.record_death, args=(job_id, f"death {i}")) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(store.get(job_id).deaths) == sorted(f"death {i}" for i in range(20))

@@ -575,6 +575,8 @@ def test_openapi_docs(client):
     assert post["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Quote"}
     assert "model_path required" in post["requestBody"]["description"]
     assert "JobCreate" in spec["components"]["schemas"] and "TensorIn" in spec["components"]["schemas"]
+    timeout = spec["components"]["schemas"]["JobCreate"]["properties"]["timeout_s"]
+    assert "JobTimeout" in timeout["description"] and "JACOBIAN_MAX_JOB_TIMEOUT_S" in timeout["description"]
     for path in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/result",
                  "/v1/models/signature", "/healthz", "/readyz", "/metrics"):
         assert path in spec["paths"]

@@ -100,6 +100,9 @@ JSON_CASES = [
     ("bad reduce", f64(of="y", kind="hessian", reduce="mean"), 422, "reduce"),
     ("bad output dtype", mlp(output_dtype="int8"), 422, "output_dtype"),
     ("nonpositive budget", mlp(memory_budget_bytes=0), 422, "memory_budget_bytes"),
+    ("nonpositive timeout", mlp(timeout_s=0), 422, "timeout_s"),
+    ("timeout over the maximum", mlp(timeout_s=10**9), 422,
+     "timeout_s: 1000000000 s is more than the 604800 s this service allows (JACOBIAN_MAX_JOB_TIMEOUT_S)"),
     ("unknown field", mlp(colour="red"), 422, "colour"),
     ("hessian of non-scalar", f64(of="y", kind="hessian"), 422, "of"),
     ("batch jacobian of scalar", f64(of="loss", kind="batch_jacobian"), 422, "of"),
@@ -250,3 +253,22 @@ def test_query_parameters_with_json_body_are_refused(client, redis_conn, results
     r = client.post("/v1/jobs", json=mlp(), params={"kind": "hessian"})
     assert r.status_code == 422 and r.json()["error"]["message"].startswith("query:")
     assert_nothing_queued(redis_conn, results)
+
+
+def test_timeout_s_travels_to_the_worker_and_sets_rqs_backstop(client, redis_conn, results):
+    """The request's ``timeout_s`` is in the queued spec (the worker checks it between chunks); rq's own timeout,
+    the backstop for a chunk that never returns, lies 60 s past it; without one, past JACOBIAN_JOB_TIMEOUT_S."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    timed = client.post("/v1/jobs", json=mlp(timeout_s=30))
+    plain = client.post("/v1/jobs", json=mlp())
+    assert timed.status_code == plain.status_code == 202, (timed.text, plain.text)
+    timed_job = Job.fetch(timed.json()["id"], connection=redis_conn, serializer=JSONSerializer)
+    plain_job = Job.fetch(plain.json()["id"], connection=redis_conn, serializer=JSONSerializer)
+    assert timed_job.args[0]["timeout_s"] == 30 and timed_job.timeout == 90
+    assert plain_job.args[0]["timeout_s"] is None and plain_job.timeout == get_settings().job_timeout_s + 60
+    npz = client.post("/v1/jobs", content=npz_bytes(x=np.zeros((2, 8), np.float32)),
+                      params={"model_path": "mlp", "timeout_s": "7"}, headers={"Content-Type": "application/x-npz"})
+    assert npz.status_code == 202, npz.text
+    assert Job.fetch(npz.json()["id"], connection=redis_conn, serializer=JSONSerializer).timeout == 67

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from typing import Any
 
 import redis
@@ -22,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class JobTimeout(Exception):
-    """The job ran longer than its timeout (``JACOBIAN_JOB_TIMEOUT_S``); more time is not a retry.
+    """The job ran longer than its limit (its ``timeout_s``, else ``JACOBIAN_JOB_TIMEOUT_S``); more time is not a
+    retry.
 
     Not a ``TimeoutError``: those are connection troubles, which ``is_transient`` retries.
     """
@@ -33,7 +35,7 @@ class Outcome(enum.Enum):
 
     STOPPED = "stopped"      # cancel (or the job ended elsewhere): stop, remove nothing more
     INVALID = "invalid"      # the request cannot succeed (engine, inputs, model path, model refused): fail for good
-    TIMEOUT = "timeout"      # rq's job timeout: fail for good as JobTimeout, no retry, re-raise for rq
+    TIMEOUT = "timeout"      # the job's limit (or rq's backstop): fail for good as JobTimeout, no retry, re-raise
     RETRY = "retry"          # transient, retries left: re-raise, rq's Retry runs it again (it resumes)
     EXHAUSTED = "exhausted"  # transient, no retries left: fail, keep committed blocks, re-raise
     BUG = "bug"              # anything else: fail, no retry (a bug does not heal), re-raise
@@ -94,6 +96,7 @@ class Attempt:
         self.job, self.store, self.settings, self.rq_job = job, store, settings, rq_job
         self.skipped = False
         self.metric_status: str | None = None
+        self.started_s = time.monotonic()
 
     @property
     def retries_left(self) -> bool:
@@ -103,6 +106,29 @@ class Attempt:
     def timeout_s(self) -> int:
         """This rq job's timeout (the job's own, else ``settings.job_timeout_s``)."""
         return int(getattr(self.rq_job, "timeout", None) or self.settings.job_timeout_s)
+
+    @property
+    def limit_s(self) -> int:
+        """The job's wall-clock limit: its ``timeout_s``, else ``JACOBIAN_JOB_TIMEOUT_S`` (or rq's timeout where that
+        is shorter: a job queued with a short rq timeout and no ``timeout_s``)."""
+        if self.job.timeout_s:
+            return int(self.job.timeout_s)
+        rq_timeout = getattr(self.rq_job, "timeout", None)
+        default = int(self.settings.job_timeout_s)
+        return min(int(rq_timeout), default) if rq_timeout and int(rq_timeout) > 0 else default
+
+    def check_time(self) -> None:
+        """Raise ``JobTimeout`` once this attempt has run longer than ``limit_s`` (asked between chunks)."""
+        elapsed_s = time.monotonic() - self.started_s
+        if elapsed_s > self.limit_s:
+            raise JobTimeout(self.timeout_message(elapsed_s))
+
+    def timeout_message(self, elapsed_s: float) -> str:
+        """The ``JobTimeout`` message: which limit was hit, the time spent, and the fix."""
+        source = "the request's timeout_s" if self.job.timeout_s else "the default, JACOBIAN_JOB_TIMEOUT_S"
+        return (f"timeout_s: the job ran {elapsed_s:.1f} s, longer than its limit of {self.limit_s} s ({source}); "
+                f"ask for a larger timeout_s (at most {self.settings.max_job_timeout_s} s, "
+                "JACOBIAN_MAX_JOB_TIMEOUT_S) or split the job (\"shards\", fewer inputs)")
 
     def run(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -125,9 +151,9 @@ class Attempt:
         if outcome is Outcome.INVALID:
             return self.on_failed(error_info(err), delete=True)
         if outcome is Outcome.TIMEOUT:
-            self.on_failed(error_info(JobTimeout(
-                f"the job ran longer than its timeout of {self.timeout_s} s (JACOBIAN_JOB_TIMEOUT_S); raise "
-                f"the timeout or split the job (\"shards\", fewer inputs)")), delete=True)
+            timeout = err if isinstance(err, JobTimeout) else JobTimeout(
+                self.timeout_message(time.monotonic() - self.started_s))
+            self.on_failed(error_info(timeout), delete=True)
             self._no_more_retries()
         elif outcome is Outcome.RETRY:
             self.on_retry(err)

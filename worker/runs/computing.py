@@ -38,10 +38,14 @@ class ComputingAttempt(Attempt):
 
             return get_model(check_model_path(job.model.path, settings.model_roots), job.model.signature)
 
+        def stop() -> bool:  # between chunks: the job's wall-clock limit (raises JobTimeout), then cancel
+            self.check_time()
+            return should_stop()
+
         return RunContext(job=job, load_inputs=inputs, load_model=model,
                           budget_bytes=effective_budget(job.memory_budget_bytes, settings.memory_budget_bytes),
                           block_bytes=settings.block_bytes, created_at=created_at, on_progress=on_progress,
-                          on_plan=on_plan, on_units=metrics.observe_chunk, should_stop=should_stop,
+                          on_plan=on_plan, on_units=metrics.observe_chunk, should_stop=stop,
                           probe=self.probe, plans=self.plans,
                           store=self.store, cache_dir=str(settings.cache_dir) if settings.cache_dir else None,
                           try_xla=settings.try_xla)
