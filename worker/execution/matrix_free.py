@@ -41,17 +41,8 @@ class ProductsExecutor(Executor):
     array = "products"
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
-        from worker.matfree_job import compute_matfree_to_storage
-
-        job = ctx.job
         op, seeds = operator(ctx)
-        ctx.on_plan({"kind": job.kind.value, "strategy": "matrix-free", "shards": 1})
-        manifest = compute_matfree_to_storage(
-            op, job.kind.value, results_url=job.results_url, job_id=job.id, seeds=seeds, chunk_size=job.chunk_rows,
-            on_progress=ctx.counter(), should_stop=ctx.should_stop, created_at=ctx.created_at,
-            block_bytes=ctx.block_bytes, manifest_fields=_manifest_fields(ctx))
-        manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
-        return manifest
+        return _run_whole(ctx, op, seeds=seeds)
 
     def split(self, ctx: RunContext, host: ShardHost) -> ShardPlan | None:
         from worker.matfree_job import products_writer
@@ -95,17 +86,23 @@ class SpectralExecutor(Executor):
     array = ""
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
-        from worker.matfree_job import compute_matfree_to_storage
-
-        job = ctx.job
         op, _ = operator(ctx)
-        ctx.on_plan({"kind": job.kind.value, "strategy": "matrix-free", "shards": 1})
-        manifest = compute_matfree_to_storage(
-            op, job.kind.value, results_url=job.results_url, job_id=job.id, rank=job.rank, tol=job.tol,
-            samples=job.samples, chunk_size=job.chunk_rows, on_progress=ctx.counter(), should_stop=ctx.should_stop,
-            created_at=ctx.created_at, block_bytes=ctx.block_bytes, manifest_fields=_manifest_fields(ctx))
-        manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
-        return manifest
+        job = ctx.job
+        return _run_whole(ctx, op, rank=job.rank, tol=job.tol, samples=job.samples)
+
+
+def _run_whole(ctx: RunContext, op: Any, **kind_args: Any) -> dict[str, Any]:
+    """The whole job of a matrix-free kind in one piece (``worker.matfree_job``): its manifest."""
+    from worker.matfree_job import compute_matfree_to_storage
+
+    job = ctx.job
+    ctx.on_plan({"kind": job.kind.value, "strategy": "matrix-free", "shards": 1})
+    manifest = compute_matfree_to_storage(
+        op, job.kind.value, results_url=job.results_url, job_id=job.id, chunk_size=job.chunk_rows,
+        on_progress=ctx.counter(), should_stop=ctx.should_stop, created_at=ctx.created_at,
+        block_bytes=ctx.block_bytes, manifest_fields=_manifest_fields(ctx), **kind_args)
+    manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
+    return manifest
 
 
 def one_hot_rows(start: int, stop: int, size: int, dtype: Any) -> np.ndarray:
