@@ -38,6 +38,7 @@ from bench.common import assert_same, chunk_growth_problems, cpu_hogs, emit, mac
 from tests.procs import base_env, jacobian_exe
 
 REPO = Path(__file__).resolve().parents[1]
+ARCHS = ("mobilenet_softmax", "mobilenet_logits", "efficientnet", "transformer", "lstm", "conv1d")
 
 
 def timed_process(cmd: list[str], env: dict[str, str]) -> dict:
@@ -73,10 +74,20 @@ def plan_lines(stderr: str) -> list[str]:
 
 
 def build_model(name: str, work: Path) -> tuple[Path, str, str]:
-    """``(model folder, of, wrt)`` with ``work / "inputs.npz"`` written."""
+    """``(model folder, of, wrt)`` with ``work / "inputs.npz"`` written (and, for the architectures of
+    ``bench/archs.py``, their weights in ``work / "weights.weights.h5"`` for the JAX peer)."""
+    from bench import archs
     from tests import models
 
     rng = np.random.default_rng(0)
+    if name in archs.BUILDERS:
+        import keras
+
+        model = archs.build(name, keras)
+        model.save_weights(str(work / "weights.weights.h5"))
+        model.export(str(work / name), verbose=False)
+        np.savez(work / "inputs.npz", x=rng.standard_normal((1,) + archs.INPUT_SHAPES[name]).astype("float32"))
+        return work / name, "y", "x"
     if name == "mlp":
         np.savez(work / "inputs.npz", x=rng.standard_normal((32, 64)).astype("float32"))
         return models.mlp(work / "mlp", sizes=(64, 256, 256, 64)), "y", "x"
@@ -98,8 +109,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
-    ap.add_argument("--model", choices=("mobilenet", "mlp"), default="mobilenet",
-                    help="mlp: a small MLP (2048 rows), a smoke run of a few seconds")
+    ap.add_argument("--model", choices=("mobilenet", "mlp", *ARCHS), default="mobilenet",
+                    help="mlp: a small MLP (2048 rows), a smoke run of a few seconds; the others: bench/archs.py")
+    ap.add_argument("--jax", action="store_true",
+                    help="also the JAX peer (bench/peer_jax_jacobian.py: Keras 3 on JAX, jit(vmap(vjp)) over 64 "
+                         "rows), for the models of bench/archs.py")
     ap.add_argument("--hog", type=int, default=0, metavar="N",
                     help="N busy CPU processes beside every run (stress-ng --cpu N if installed, else Python loops)")
     args = ap.parse_args()
@@ -136,8 +150,21 @@ def bench(args: argparse.Namespace) -> None:
             want = np.load(peer_out)
             assert_same(ours, want, f"{phase} run {i}: ours vs tape.jacobian")
             res["chunks"], found = chunk_figures(work / "results" / job / "manifest.json", f"{phase} run {i}")
+            res["chunks"]["strategy"] = (json.loads((work / "results" / job / "manifest.json").read_text())
+                                         .get("plan") or {}).get("strategy")
             problems += found
             shutil.rmtree(work / "results" / job)
+        jax_row = {}
+        if args.jax:
+            jax_out = work / "jax.npy"
+            jax = run([sys.executable, str(REPO / "bench" / "peer_jax_jacobian.py"), args.model,
+                       str(work / "weights.weights.h5"), str(work / "inputs.npz"), str(jax_out)],
+                      {**env, "KERAS_BACKEND": "jax"}, "JAX peer")
+            assert_same(np.load(jax_out).reshape(want.shape), want, f"run {i}: JAX vs tape.jacobian", rel=1e-3)
+            jax_row = {"jax_s": jax["wall_s"], "jax_rss_MiB": jax["peak_rss_mib"],
+                       "jax/cold": round(jax["wall_s"] / results["cold"]["wall_s"], 2),
+                       "jax/warm": round(jax["wall_s"] / results["warm"]["wall_s"], 2),
+                       "warm_rss/jax": round(results["warm"]["peak_rss_mib"] / jax["peak_rss_mib"], 3)}
         figures["peer"].append(peer)
         figures["cold"].append(results["cold"])
         figures["warm"].append(results["warm"])
@@ -149,7 +176,7 @@ def bench(args: argparse.Namespace) -> None:
                "peer/warm": round(peer["wall_s"] / results["warm"]["wall_s"], 2),
                "cold_rss/peer": round(results["cold"]["peak_rss_mib"] / peer["peak_rss_mib"], 3),
                "warm_rss/peer": round(results["warm"]["peak_rss_mib"] / peer["peak_rss_mib"], 3),
-               "cold_chunks": results["cold"]["chunks"], "warm_chunks": results["warm"]["chunks"]}
+               "cold_chunks": results["cold"]["chunks"], "warm_chunks": results["warm"]["chunks"], **jax_row}
         print(row, flush=True)
         for phase in ("cold", "warm"):
             for line in plan_lines(results[phase]["stderr"])[-3:]:
@@ -157,8 +184,11 @@ def bench(args: argparse.Namespace) -> None:
         rows.append(row)
 
     def med(key: str) -> float:
-        return round(statistics.median(r[key] for r in rows), 3)
+        return round(statistics.median(r[key] for r in rows if "run" in r), 3)
 
+    if args.jax:
+        rows += [{"ratio": "JAX wall / ours warm wall (median)", "value": med("jax/warm"), "goal": ">= 2"},
+                 {"ratio": "ours warm peak RSS / JAX's (median)", "value": med("warm_rss/jax"), "goal": "<= 1"}]
     rows += [
         {"ratio": "peer wall / ours cold wall (median)", "value": med("peer/cold"), "goal": ">= 2.5"},
         {"ratio": "peer wall / ours warm wall (median)", "value": med("peer/warm"), "goal": ">= 4"},
@@ -172,6 +202,7 @@ def bench(args: argparse.Namespace) -> None:
                  else "; ".join(problems), "hogs": args.hog})
     print(machine())
     name = "cold_start_mobilenet_v3_small" if args.model == "mobilenet" else f"cold_start_{args.model}"
+    name += "_jax" if args.jax else ""
     emit(name + (f"_hog{args.hog}" if args.hog else ""), rows, args.out)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
