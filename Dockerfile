@@ -62,4 +62,4 @@ ENV TF_CPP_MIN_LOG_LEVEL=2 \
     JACOBIAN_WORKER_METRICS_PORT=9100
 USER app
 EXPOSE 9100
-CMD ["jacobian", "worker"]
+CMD ["jacobian", "worker", "--supervise"]

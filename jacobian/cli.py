@@ -196,7 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cli = [sys.executable, "-m", "jacobian.cli"]
     try:
         procs.append(("api", subprocess.Popen(cli + ["serve", "--host", args.host, "--port", str(port)], env=env)))
-        procs.append(("worker", subprocess.Popen(cli + ["worker"], env=env)))
+        procs.append(("worker", subprocess.Popen(cli + ["worker", "--supervise"], env=env)))
         print(f"api     {api_url}  (docs {api_url}/docs, jobs {api_url}/v1/jobs, ui {api_url}/ui)", flush=True)
         print(f"results {env['JACOBIAN_RESULTS_URL']}", flush=True)
         print(f"models  {env['JACOBIAN_MODEL_ROOTS']}", flush=True)
