@@ -106,7 +106,7 @@ def get_job(job_id: JobIdDep, store: StoreDep) -> JobPublic:
 
 
 @router.get("/{job_id}/events", summary="Follow a job: Server-Sent Events of its status and progress",
-            response_class=EventStreamResponse,
+            response_class=EventStreamResponse, status_code=200,
             responses={200: {"content": {EVENT_MEDIA_TYPE: {}},
                              "description": "events 'status', 'progress' and 'end' (data: the GET /v1/jobs/{id} body)"},
                        **error_responses(404, 503)})

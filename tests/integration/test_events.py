@@ -198,3 +198,11 @@ def test_events_need_the_api_key_as_get_does(client, monkeypatch, store):
     get_settings.cache_clear()
     assert client.get(f"/v1/jobs/{job_id}/events").status_code == 401
     assert client.get(f"/v1/jobs/{job_id}").status_code == 401
+
+
+def test_openapi_documents_the_event_stream(client):
+    operation = client.get("/openapi.json").json()["paths"]["/v1/jobs/{job_id}/events"]["get"]
+    assert operation["summary"].startswith("Follow a job: Server-Sent Events")
+    assert "text/event-stream" in operation["responses"]["200"]["content"]
+    assert {"404", "503"} <= set(operation["responses"])
+    assert any(p["name"] == "Last-Event-ID" and p["in"] == "header" for p in operation["parameters"])
