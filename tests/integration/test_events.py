@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import html
+import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -206,3 +210,74 @@ def test_openapi_documents_the_event_stream(client):
     assert "text/event-stream" in operation["responses"]["200"]["content"]
     assert {"404", "503"} <= set(operation["responses"])
     assert any(p["name"] == "Last-Event-ID" and p["in"] == "header" for p in operation["parameters"])
+
+
+def http_count(api: str, route: str, status_code: str) -> float:
+    """``jacobian_http_requests_total`` of GET ``route`` answered ``status_code`` in the API process."""
+    head = f'jacobian_http_requests_total{{method="GET",route="{route}",status_code="{status_code}"}} '
+    for line in httpx.get(f"{api}/metrics", timeout=10).text.splitlines():
+        if line.startswith(head):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def page_dom(api: str, url: str, profile: Path, *, budget_ms: int = 3000) -> str:
+    """``url`` of the API in headless Chromium after ``budget_ms`` of virtual time: its DOM."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh --with-chromium)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
+             "--disable-background-networking", f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}"]
+    done = subprocess.run([exe, *flags, "--dump-dom", f"{api}{url}"], capture_output=True, timeout=90,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    return html.unescape(done.stdout.decode(errors="replace"))
+
+
+def test_ui_job_view_follows_the_job_by_events(api, store, tmp_path):
+    """The page opens the stream for the running job it shows and renders the events it gets."""
+    job_id = new_job(store)
+    run_step(store, job_id, 0)
+    run_step(store, job_id, 1)
+    wait_streams(api, 0)
+    streamed = http_count(api, "/v1/jobs/{job_id}/events", "200")
+    opened: list[bool] = []
+
+    def worker() -> None:  # once the page follows the job: a chunk, then the job fails
+        wait_streams(api, 1, timeout_s=60)
+        opened.append(True)
+        run_step(store, job_id, 3)
+        time.sleep(0.3)
+        store.transition(job_id, JobStatus.failed, progress=Progress.of(3, ROWS, 2.0),
+                         error=ErrorInfo(type="Boom", message="x: broke"))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    dom = page_dom(api, f"/ui#job={job_id}", tmp_path / "profile")
+    thread.join()
+    assert opened, "the page never opened GET /v1/jobs/{id}/events"
+    assert http_count(api, "/v1/jobs/{job_id}/events", "200") == streamed + 1
+    view = re.search(r'<div id="job-view"[^>]*>', dom)
+    assert view and f'data-job-id="{job_id}"' in view.group(0) and 'data-status="failed"' in view.group(0), dom[-3000:]
+    assert f"rows 3 / {ROWS}" in dom, dom[-3000:]
+
+
+def test_ui_job_view_polls_when_the_stream_is_refused(api, store, tmp_path):
+    """Every stream slot taken: the page's EventSource gets 503, and the job view polls the job instead."""
+    job_id = new_job(store)
+    run_step(store, job_id, 0)
+    run_step(store, job_id, 2)
+    wait_streams(api, 0)
+    refused = http_count(api, "/v1/jobs/{job_id}/events", "503")
+    polled = http_count(api, "/v1/jobs/{job_id}", "200")
+    with httpx.Client(base_url=api, timeout=10) as http:
+        held = [http.send(http.build_request("GET", f"/v1/jobs/{job_id}/events"), stream=True)
+                for _ in range(MAX_STREAMS)]
+        wait_streams(api, MAX_STREAMS)
+        dom = page_dom(api, f"/ui#job={job_id}", tmp_path / "profile", budget_ms=4000)
+        for response in held:
+            response.close()
+    assert http_count(api, "/v1/jobs/{job_id}/events", "503") >= refused + 1
+    assert http_count(api, "/v1/jobs/{job_id}", "200") >= polled + 2  # polled again after the refusal
+    assert f"rows 2 / {ROWS}" in dom and 'data-status="running"' in dom, dom[-3000:]
+    wait_streams(api, 0)
