@@ -121,6 +121,12 @@ class NotReady(ApiError):
     """A dependency (Redis, storage) is unreachable."""
 
 
+class TooManyStreams(ApiError):
+    """This API process already serves ``JACOBIAN_MAX_EVENT_STREAMS`` event streams; retry after ``retry_after_s``."""
+
+    retry_after_s = 5
+
+
 _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (MalformedBody, 400),
     (InvalidApiKey, 401),
@@ -140,6 +146,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (RequestValidationError, 422),
     (ClientClosedRequest, 499),
     (NotReady, 503),
+    (TooManyStreams, 503),
     (RedisConnectionError, 503),
     (RedisTimeoutError, 503),
 )
@@ -236,11 +243,14 @@ def _allowed_methods(request: Request) -> str:
 
 
 def _headers(request: Request, exc: BaseException) -> dict[str, str] | None:
-    """WWW-Authenticate on a 401, Allow on a 405, Connection: close after a stalled body."""
+    """WWW-Authenticate on a 401, Allow on a 405, Connection: close after a stalled body, Retry-After when
+    there are too many event streams."""
     if isinstance(exc, InvalidApiKey):
         return {"WWW-Authenticate": "Bearer"}
     if isinstance(exc, BodyTimeout):
         return {"Connection": "close"}  # the rest of the body may still arrive: not on this connection
+    if isinstance(exc, TooManyStreams):
+        return {"Retry-After": str(exc.retry_after_s)}
     if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
         return {"Allow": _allowed_methods(request)}
     if isinstance(exc, StarletteHTTPException) and exc.headers:

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from redis import ConnectionPool, Redis
 
 from app.errors import install_error_handler
+from app.events import StreamSlots
 from app.metrics import QUEUE_DEPTH, MetricsMiddleware
 from app.routes import health, jobs, models, preview, ui
 from contracts.jobspec import JobCreate, is_job_id
@@ -93,6 +94,7 @@ def create_app() -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handler(app)
+    app.state.event_streams = StreamSlots()
     app.add_middleware(JobLogMiddleware)
     app.add_middleware(MetricsMiddleware)
     app.include_router(health.router)

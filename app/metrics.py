@@ -14,7 +14,15 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
@@ -34,6 +42,8 @@ HTTP_DURATION = Histogram("jacobian_http_request_duration_seconds",
                           "Time to answer an HTTP request, by route template, method and status code.",
                           ["route", "method", "status_code"],
                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+EVENT_STREAMS = Gauge("jacobian_event_streams", "GET /v1/jobs/{id}/events streams open now.",
+                      multiprocess_mode="livesum")
 
 
 class QueueDepthCollector(Collector):

@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     cache_dir: str | None = Field(None, description="folder for plans (default ~/.cache/jacobian); workers "
                                   "share plans through Redis and keep them here too")
     api_url: str = "http://127.0.0.1:8000"
+    max_event_streams: int = Field(100, ge=0, description="open GET /v1/jobs/{id}/events streams per API process; "
+                                   "beyond: 503 with Retry-After")
+    event_poll_s: float = Field(0.5, gt=0, description="how often an event stream reads its job's record")
+    event_heartbeat_s: float = Field(15.0, gt=0, description="a comment line after this long without an event "
+                                     "keeps proxies from closing an event stream")
     log_format: str = Field("json", description="json (one object a line), text, or none (logging left alone)")
     log_level: str = Field("INFO", description="the root logger's level")
     malloc_arenas: int = Field(2, ge=0, description="glibc malloc arenas of a worker (0: glibc's default)")

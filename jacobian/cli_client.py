@@ -143,12 +143,50 @@ def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, f
     return 0
 
 
+def event_line(event: Any) -> str:
+    """One line of ``status --follow``: event, status, rows done of total (percent), rate and ETA."""
+    record = event.data
+    numbers = record.get("progress") or {}
+    total = numbers.get("rows_total")
+    parts = [event.event, str(record.get("status")),
+             f"rows {numbers.get('rows_done') or 0}/{'?' if total is None else total}",
+             f"{100.0 * float(numbers.get('fraction') or 0.0):.1f}%"]
+    if numbers.get("rows_per_second"):
+        parts.append(f"{numbers['rows_per_second']:g} rows/s")
+    if numbers.get("eta_seconds") is not None and record.get("status") == "running":
+        parts.append(f"ETA {numbers['eta_seconds']:g} s")
+    error = record.get("error") or {}
+    if error:
+        parts.append(f"{error.get('type')}: {error.get('message')}")
+    return "  ".join(parts)
+
+
+def _follow(client: Any, job_id: str, error_cls: type) -> int:
+    """One line per event on stdout until the job ends; 0 when it succeeded, 1 failed or canceled, 2 error."""
+    status = None
+    try:
+        for event in client.follow(job_id):
+            print(event_line(event), flush=True)
+            status = event.data.get("status")
+    except error_cls as exc:
+        return _fail(exc.type, exc.message)
+    if status == "succeeded":
+        return 0
+    if status in ("failed", "canceled"):
+        return 1
+    return _fail("StreamEnded", f"job {job_id}: the event stream ended while it was {status} (its record "
+                 f"expired?); see jacobian status {job_id}")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    """The job's record as JSON on stdout (``--wait``: with a progress bar until it ends)."""
+    """The job's record as JSON on stdout (``--wait``: with a progress bar until it ends; ``--follow``: one
+    line per event instead, exit code of the job's end)."""
     from jacobian.client import JacobianError, JobFailed
 
     code = 0
     with _client(args) as client:
+        if args.follow:
+            return _follow(client, args.id, JacobianError)
         if args.wait:
             code = _wait(client, args.id, args, JacobianError, JobFailed)
             if code == 2:
@@ -335,6 +373,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("status", help="a job's status, progress, plan and result as JSON")
     p.add_argument("id")
     p.add_argument("--wait", action="store_true", help="wait for the job to end first, with a progress bar")
+    p.add_argument("--follow", action="store_true", help="one line per status or progress event (GET "
+                   "/v1/jobs/{id}/events) until the job ends; exit 0 succeeded, 1 failed or canceled")
     _waiting(p)
     _common(p)
     p.set_defaults(func=cmd_status)

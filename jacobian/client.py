@@ -36,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 
 from contracts.quote import Quote
 from contracts.records import JobAccepted, JobList, JobPublic
+from jacobian.events import JobEvent, follow_events
 from jacobian.results import (
     coo_of,
     is_coo,
@@ -47,7 +48,7 @@ from jacobian.results import (
     s3_storage_options,
 )
 
-__all__ = ["JacobianClient", "JacobianError", "JobFailed", "JobCanceled", "DEFAULT_API_URL", "TERMINAL",
+__all__ = ["JacobianClient", "JacobianError", "JobFailed", "JobCanceled", "JobEvent", "DEFAULT_API_URL", "TERMINAL",
            "open_zarr", "open_xarray", "open_coo", "coo_of", "s3_storage_options"]
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
@@ -231,6 +232,18 @@ class JacobianClient:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} is still {status} after {timeout_s:g} s")
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+
+    def follow(self, job_id: str, *, last_event_id: str | None = None) -> Iterator[JobEvent]:
+        """``GET /v1/jobs/{id}/events``: the job's events (``status``, ``progress`` with rows and ETA) up to and
+        including ``end`` (the terminal record), resumed with ``Last-Event-ID`` when the connection drops.
+
+            for event in client.follow(job_id):
+                print(event.event, event.data["status"], event.data["progress"]["eta_seconds"])
+
+        Raises ``JacobianError`` for an error answer (404: unknown job)."""
+        return follow_events(self._http, f"/v1/jobs/{job_id}/events", checked=self._checked,
+                             last_event_id=last_event_id, retries=self.retries, backoff_s=self.backoff_s,
+                             max_backoff_s=self.max_backoff_s)
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Request cancellation; returns the record (``canceled`` at once if it was still queued)."""

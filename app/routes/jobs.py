@@ -23,6 +23,7 @@ from app import rows as result_rows
 from app.deps import JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
 from app.dry_run import dry_run as quote_job
 from app.errors import ApiError, ClientClosedRequest, InvalidRequest, error_responses
+from app.events import EVENT_MEDIA_TYPE, EventStreamResponse, job_events
 from app.job_storage import open_result, remove_job_files
 from app.metrics import JOBS_CANCELED, JOBS_REJECTED
 from app.paging import decode_token, encode_token
@@ -113,6 +114,31 @@ def list_jobs(
 def get_job(job_id: JobIdDep, store: StoreDep) -> JobPublic:
     """Status, progress, chunk plan, result and error of one job (404 if unknown)."""
     return store.get(job_id).public()
+
+
+@router.get("/{job_id}/events", summary="Follow a job: Server-Sent Events of its status and progress",
+            response_class=EventStreamResponse, status_code=200,
+            responses={200: {"content": {EVENT_MEDIA_TYPE: {}},
+                             "description": "events 'status', 'progress' and 'end' (data: the GET /v1/jobs/{id} body)"},
+                       **error_responses(404, 503)})
+async def job_events_stream(
+    request: Request, job_id: JobIdDep, store: StoreDep, settings: SettingsDep,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> EventStreamResponse:
+    """Server-Sent Events of one job until it ends: ``status`` on each new status, ``progress`` (rows, rate,
+    ETA) as rows are done, ``end`` with the terminal record, then the stream closes.
+
+    Every event's ``data`` is the ``GET /v1/jobs/{id}`` body; its ``id`` sent back as ``Last-Event-ID``
+    resumes with the later events only. A comment every ``JACOBIAN_EVENT_HEARTBEAT_S`` keeps the
+    connection open. 404 for an unknown job; 503 with ``Retry-After`` beyond ``JACOBIAN_MAX_EVENT_STREAMS``
+    open streams in this process.
+    """
+    record = await run_in_threadpool(store.get, job_id)
+    slots = request.app.state.event_streams
+    events = job_events(store, record, last_event_id=last_event_id, poll_s=settings.event_poll_s,
+                        heartbeat_s=settings.event_heartbeat_s)
+    slots.acquire(settings.max_event_streams)
+    return EventStreamResponse(events, slots)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, response_model_exclude_unset=True,

@@ -1,5 +1,7 @@
 // The jobs page: polls GET /v1/jobs every second, renders a live table, and a job view (#job=<id>)
-// with its plan, throughput and the preview heatmap. Vanilla JavaScript, no build step.
+// with its plan, throughput and the preview heatmap. The job view follows its job by Server-Sent Events
+// (GET /v1/jobs/{id}/events, EventSource); where that fails (an API key is set, which EventSource cannot
+// send; a proxy; 503 too many streams) it polls the job as before. Vanilla JavaScript, no build step.
 "use strict";
 
 const POLL_MS = 1000;
@@ -7,7 +9,8 @@ const LIST_LIMIT = 50;
 const TERMINAL = new Set(["succeeded", "failed", "canceled"]);
 const $ = (id) => document.getElementById(id);
 
-const state = { selected: null, record: null, previewFor: null, previewUrl: null, timer: null };
+const state = { selected: null, record: null, previewFor: null, previewUrl: null, timer: null,
+  events: null, eventsFor: null, noEvents: new Set() };
 
 function apiKey() { return localStorage.getItem("jacobian.apiKey") || ""; }
 
@@ -211,6 +214,45 @@ async function loadPreview(id) {
   }
 }
 
+// -- events --------------------------------------------------------------------------------------
+
+function stopEvents() {
+  if (state.events) state.events.close();
+  state.events = null;
+  state.eventsFor = null;
+}
+
+// Follow the selected job by EventSource unless it has ended, EventSource is missing, an API key is set
+// (EventSource sends no Authorization header) or its stream failed before: then poll() reads it instead.
+function followSelected() {
+  const id = state.selected;
+  if (!id || state.eventsFor === id) return;
+  stopEvents();
+  if (typeof EventSource === "undefined" || apiKey() || state.noEvents.has(id)) return;
+  if (state.record && TERMINAL.has(state.record.status)) return;
+  const source = new EventSource("/v1/jobs/" + encodeURIComponent(id) + "/events");
+  const onEvent = (e) => {
+    if (state.selected !== id) return;
+    state.record = JSON.parse(e.data);
+    renderJob(state.record);
+    if (e.type === "end") stopEvents();
+  };
+  for (const kind of ["status", "progress", "end"]) source.addEventListener(kind, onEvent);
+  source.onerror = () => {
+    // CONNECTING: the browser reconnects by itself with Last-Event-ID. CLOSED: an error answer; poll.
+    if (source.readyState === EventSource.CLOSED && state.events === source) {
+      state.noEvents.add(id);
+      stopEvents();
+    }
+  };
+  state.events = source;
+  state.eventsFor = id;
+}
+
+function isFollowed(id) {
+  return state.events !== null && state.eventsFor === id && state.events.readyState !== EventSource.CLOSED;
+}
+
 // -- polling -------------------------------------------------------------------------------------
 
 function setConn(stateName, text) {
@@ -224,12 +266,15 @@ async function poll() {
     const q = "?limit=" + LIST_LIMIT + (status ? "&status=" + encodeURIComponent(status) : "");
     const page = await (await api("/v1/jobs" + q)).json();
     renderList(page.jobs || []);
-    if (state.selected) {
+    if (state.selected && isFollowed(state.selected)) {
+      if (state.record) renderJob(state.record);
+    } else if (state.selected) {
       const inList = (page.jobs || []).find((j) => j.id === state.selected);
       if (!state.record || !TERMINAL.has(state.record.status) || (inList && inList.status !== state.record.status)) {
         state.record = await (await api("/v1/jobs/" + encodeURIComponent(state.selected))).json();
       }
       renderJob(state.record);
+      followSelected();
     }
     setConn("live", "live · " + new Date().toLocaleTimeString("en-GB"));
   } catch (e) {
@@ -241,6 +286,7 @@ function selectFromHash() {
   const m = /^#job=([A-Za-z0-9_-]+)$/.exec(location.hash);
   const id = m ? m[1] : null;
   if (id !== state.selected) {
+    stopEvents();
     state.selected = id;
     state.record = null;
     state.previewFor = null;
@@ -255,7 +301,12 @@ function schedule() {
 }
 
 $("apikey").value = apiKey();
-$("apikey").addEventListener("change", (e) => { localStorage.setItem("jacobian.apiKey", e.target.value.trim()); schedule(); });
+$("apikey").addEventListener("change", (e) => {
+  localStorage.setItem("jacobian.apiKey", e.target.value.trim());
+  stopEvents();
+  state.noEvents.clear();
+  schedule();
+});
 $("status-filter").addEventListener("change", schedule);
 $("jv-cancel").addEventListener("click", async () => {
   if (!state.selected) return;

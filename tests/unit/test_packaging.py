@@ -169,7 +169,8 @@ def test_dockerfile_has_api_and_worker_targets_run_as_non_root():
 
 def test_dockerfile_cmds_are_exec_form():
     stages = _stages()
-    expected = {"api": ["jacobian", "serve", "--host", "0.0.0.0", "--port", "8000"], "worker": ["jacobian", "worker", "--supervise"]}
+    expected = {"api": ["jacobian", "serve", "--host", "0.0.0.0", "--port", "8000"],
+                "worker": ["jacobian", "worker", "--supervise"]}
     for name, cmd in expected.items():
         raw = _last(stages[name]["lines"], "CMD")
         assert raw is not None, f"{name}: no CMD"
