@@ -48,7 +48,7 @@ def test_submit_json_stores_inputs_record_and_rq_job(client, redis_conn, results
     job = fetch_rq(redis_conn, job_id)
     assert job.func_name == "worker.tasks.run_job"
     assert job.origin == settings.queue_name == "jacobian"
-    assert job.timeout == settings.job_timeout_s
+    assert job.timeout == settings.job_timeout_s + 60   # the worker enforces the limit; rq's is the backstop
     assert job.result_ttl == settings.result_ttl_s and job.failure_ttl == settings.result_ttl_s
     assert job.retries_left == settings.job_retries and job.retry_intervals == [5, 30]
     assert Queue("jacobian", connection=redis_conn).job_ids == [job_id]
