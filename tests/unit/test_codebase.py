@@ -142,3 +142,14 @@ def test_no_function_in_the_job_path_takes_more_than_12_parameters():
     too_many = [f"{p.relative_to(REPO).as_posix()}:{line}: {name} takes {n}"
                 for p in paths for line, name, n in parameter_counts(p.read_text()) if n > MAX_PARAMETERS]
     assert not too_many, f"group these parameters (at most {MAX_PARAMETERS}):\n" + "\n".join(too_many)
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest (rootdir-relative imports, no __init__.py) refuses to collect two test modules of one name."""
+    seen: dict[str, str] = {}
+    twice = []
+    for p in sorted((REPO / "tests").rglob("test_*.py")):
+        if p.name in seen:
+            twice.append((seen[p.name], str(p.relative_to(REPO))))
+        seen.setdefault(p.name, str(p.relative_to(REPO)))
+    assert not twice, f"rename one of each pair: {twice}"
