@@ -1,4 +1,5 @@
-"""Fill a gap in TensorFlow's pfor: depthwise convolutions and their gradients with loop-invariant operands.
+"""Fill gaps in TensorFlow's pfor: depthwise convolutions and their gradients with loop-invariant operands;
+batched matmuls of a stacked operand with a fixed matrix (``_install_matmul``: a oneDNN crash).
 
 TensorFlow 2.21 converts ``DepthwiseConv2dNativeBackpropInput`` only when the filter varies with
 the pfor loop (per-example weights); a Jacobian w.r.t. the *input* has a fixed filter, and the
@@ -85,4 +86,50 @@ def install() -> None:
 
     if original_conv is not None:
         pfor._pfor_converter_registry[conv_type] = convert_conv
+    _install_matmul(pfor)
     _INSTALLED = True
+
+
+def _install_matmul(pfor):  # type: ignore[no-untyped-def]
+    """``BatchMatMulV2`` of a stacked operand with a fixed matrix (a Dense or ``EinsumDense`` over a sequence,
+    as in Keras' ``MultiHeadAttention``) as one 2-D ``MatMul``. TensorFlow's converter broadcasts the matrix
+    against ``[L, ...]`` batch dimensions instead, and oneDNN's batched matmul on the CPU crashes the process
+    (SIGSEGV) on those shapes (TensorFlow 2.21; with ``TF_ENABLE_ONEDNN_OPTS=0`` it does not). Exact same math:
+    the loop and batch dimensions fold into the rows."""
+    from tensorflow.python.ops import array_ops, math_ops
+
+    op_type = "BatchMatMulV2"
+    original = pfor._pfor_converter_registry.get(op_type)
+    if original is None:
+        return
+
+    def last_two_swapped(t):  # type: ignore[no-untyped-def]
+        rank = array_ops.rank(t)
+        perm = array_ops.concat([math_ops.range(rank - 2), [rank - 1, rank - 2]], axis=0)
+        return array_ops.transpose(t, perm)
+
+    def convert(pfor_input):  # type: ignore[no-untyped-def]
+        a, b = pfor_input.input(0), pfor_input.input(1)
+        if a.is_stacked == b.is_stacked:
+            return original(pfor_input)
+        fixed = pfor_input.unstacked_input(1 if a.is_stacked else 0)
+        if fixed.shape.rank != 2:
+            return original(pfor_input)
+        adj_x, adj_y = pfor_input.get_attr("adj_x"), pfor_input.get_attr("adj_y")
+        x = pfor_input.stacked_input(0) if a.is_stacked else fixed
+        y = fixed if a.is_stacked else pfor_input.stacked_input(1)
+        x = math_ops.conj(last_two_swapped(x)) if adj_x else x
+        y = math_ops.conj(last_two_swapped(y)) if adj_y else y
+        if a.is_stacked:   # [L, ..., m, k] @ [k, n]: rows folded
+            shape = array_ops.shape(x)
+            out = math_ops.matmul(array_ops.reshape(x, [-1, shape[-1]]), y)
+            return pfor.wrap(array_ops.reshape(out, array_ops.concat([shape[:-1], array_ops.shape(y)[-1:]], 0)),
+                             True)
+        # [m, k] @ [L, ..., k, n] = ([L, ..., n, k] @ [k, m]) with the last two swapped
+        yt = last_two_swapped(y)
+        shape = array_ops.shape(yt)
+        out = math_ops.matmul(array_ops.reshape(yt, [-1, shape[-1]]), x, transpose_b=True)
+        out = array_ops.reshape(out, array_ops.concat([shape[:-1], array_ops.shape(x)[:1]], 0))
+        return pfor.wrap(last_two_swapped(out), True)
+
+    pfor._pfor_converter_registry[op_type] = convert
