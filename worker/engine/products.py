@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from contracts.kinds import kind_spec
 from worker.engine.problem import unconnected
+from worker.engine.strategies import batch_axis_free, tile_inputs
 
 if TYPE_CHECKING:
     from worker.engine.matfree import Operator
@@ -108,13 +109,8 @@ def row_fn(tf: Any, op: Operator, kind: str, route: str, inputs: dict[str, Any])
 
 def tiled_ok(op: Operator) -> bool:
     """Whether ``tiled`` can express ``op``'s products: ``wrt`` inputs only, and every input and ``of`` leading
-    with the same batch axis, free in the signature (``strategies._batched`` for the dense path)."""
-    if op.axis.variables or not op.of_shape:
-        return False
-    batch = op.of_shape[0]
-    specs = op.model.input_specs
-    return all(len(t.shape) >= 1 and int(t.shape[0]) == batch for t in op.inputs.values()) and all(
-        s.shape.rank is not None and s.shape.rank >= 1 and s.shape[0] is None for s in specs.values())
+    with the same batch axis, free in the signature (``strategies.batch_axis_free``, as the dense path)."""
+    return not op.axis.variables and batch_axis_free(op.of_shape, op.inputs, op.model)
 
 
 def tiled_route(kind: str) -> str | None:
@@ -130,7 +126,7 @@ def _tiled(tf: Any, op: Operator, kind: str, seeds: Any, inputs: dict[str, Any])
     """``k`` products in one pass over the inputs tiled ``k`` times: tangents (``jvp``, forward mode) or
     cotangents (``vjp``) of copy ``i`` are seed ``i``; rows flat, ``(k, n_of)`` or ``(k, n_wrt)``."""
     k = tf.shape(seeds)[0]
-    tiled = {n: tf.tile(t, tf.concat([[k], tf.ones([tf.rank(t) - 1], tf.int32)], 0)) for n, t in inputs.items()}
+    tiled = tile_inputs(tf, inputs, k)
     targets = [tiled[n] for n in op.axis.names]
     dtype = op.compute_dtype
     if tiled_route(kind) == "forward":

@@ -48,14 +48,25 @@ def is_applicable(problem: Problem, strategy: str) -> bool:
 
 
 def _batched(problem: Problem) -> bool:
+    """``batch_axis_free`` for a problem w.r.t. an input (a variable has no batch axis)."""
+    return problem.wrt_variable is None and batch_axis_free(problem.of_shape, problem.inputs, problem.model)
+
+
+def batch_axis_free(of_shape: tuple[int, ...] | None, inputs: dict[str, Any], model: Any) -> bool:
     """Whether every input and ``of`` lead with the same batch axis, free in the signature (so any
-    number of examples can be fed: one, or ``k`` tiled copies of the batch)."""
-    if problem.wrt_variable is not None or not problem.of_shape:
+    number of examples can be fed: one, or ``k`` tiled copies of the batch). Also the matrix-free
+    products' ``tiled`` (``worker.engine.products.tiled_ok``)."""
+    if not of_shape:
         return False
-    batch = problem.of_shape[0]
-    specs = problem.model.input_specs
-    return all(len(t.shape) >= 1 and int(t.shape[0]) == batch for t in problem.inputs.values()) and all(
-        s.shape.rank is not None and s.shape.rank >= 1 and s.shape[0] is None for s in specs.values())
+    batch = of_shape[0]
+    return all(len(t.shape) >= 1 and int(t.shape[0]) == batch for t in inputs.values()) and all(
+        s.shape.rank is not None and s.shape.rank >= 1 and s.shape[0] is None for s in model.input_specs.values())
+
+
+def tile_inputs(tf: Any, inputs: dict[str, Any], k: Any) -> dict[str, Any]:
+    """Every input repeated ``k`` times along its batch axis (``tiled``: one pass for ``k`` seeds)."""
+    k32 = tf.cast(k, tf.int32)
+    return {n: tf.tile(t, tf.concat([[k32], tf.ones([tf.rank(t) - 1], tf.int32)], 0)) for n, t in inputs.items()}
 
 
 @dataclass(frozen=True)
@@ -164,7 +175,7 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
 def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any) -> Any:
     """All ``k`` seeds in one pass over the inputs tiled ``k`` times on the batch axis."""
     k32 = tf.cast(k, tf.int32)
-    tiled = {n: tf.tile(t, tf.concat([[k32], tf.ones([tf.rank(t) - 1], tf.int32)], 0)) for n, t in inputs.items()}
+    tiled = tile_inputs(tf, inputs, k32)
     x = tiled[problem.wrt]
     batch = tf.shape(inputs[problem.wrt])[:1]
     if problem.mode == "forward":
