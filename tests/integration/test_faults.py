@@ -67,9 +67,10 @@ def x_input() -> np.ndarray:
     return np.random.default_rng(5).normal(size=(BATCH, SIZES[0])).astype(np.float32)
 
 
-def submit(conn, results_url: str, model_root: Path, *, retry: Retry | None = None, timeout_s: int = 600,
+def submit(conn, results_url: str, model_root: Path, *, retry: Retry | None = None, job_timeout: int = 600,
            queue_name: str = QUEUE, **options) -> str:
-    """What the API does: inputs .npz in storage, a JobRecord, ``run_job`` on the queue (JSON)."""
+    """What the API does: inputs .npz in storage, a JobRecord, ``run_job`` on the queue (JSON). ``job_timeout``:
+    rq's limit; ``options``: request fields (``timeout_s`` among them)."""
     job_id = uuid.uuid4().hex
     buf = io.BytesIO()
     np.savez(buf, x=x_input())
@@ -80,7 +81,7 @@ def submit(conn, results_url: str, model_root: Path, *, retry: Retry | None = No
                      shards=1, **options).model_dump(mode="json")
     JobStore(conn).create(JobRecord(id=job_id, status=JobStatus.queued, spec=spec, created_at=time.time()))
     Queue(queue_name, connection=conn, serializer=JSONSerializer).enqueue(
-        "worker.tasks.run_job", spec, job_id=job_id, retry=retry, job_timeout=timeout_s)
+        "worker.tasks.run_job", spec, job_id=job_id, retry=retry, job_timeout=job_timeout)
     return job_id
 
 
@@ -534,7 +535,7 @@ def test_job_over_its_timeout_fails_clearly_and_records_expire_after_the_ttl(loc
     queue = get_settings().queue_name
     with monkeypatch.context() as patch:
         patch.setattr(worker_storage.ResultWriter, "_write_block", slow)  # 128 blocks: > 6 s
-        late = submit(redis_conn, local_env, model_root, queue_name=queue, timeout_s=2,
+        late = submit(redis_conn, local_env, model_root, queue_name=queue, job_timeout=2,
                       retry=Retry(max=2))  # a timeout is not retried: more time would not help
         work_burst(redis_conn)
     done = submit(redis_conn, local_env, model_root, queue_name=queue)

@@ -9,31 +9,27 @@ under ``worker.supervisor`` on a private redis-server, as in test_faults.py. A j
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 from rq import Queue, Retry
 from rq.job import Job
 from rq.job import JobStatus as RqStatus
 from rq.serializers import JSONSerializer
 
-from contracts import storage
-from contracts.jobspec import JobStatus, ModelRef, QueuedJob
-from contracts.jobstore import JobRecord, JobStore
+from contracts.jobspec import JobStatus
+from contracts.jobstore import JobStore
 from contracts.settings import get_settings
 from tests import models
 from tests.conftest import work_burst
 from tests.integration.shard_worker import DELAY_KEY
-from tests.integration.test_faults import BLOCK_BYTES, QUEUE, REPO, SIZES, Pool, committed, x_input
+from tests.integration.test_faults import BLOCK_BYTES, QUEUE, REPO, SIZES, Pool, committed, submit
 
 pytestmark = pytest.mark.integration
 
@@ -109,18 +105,8 @@ def test_a_job_that_kills_its_worker_twice_fails_as_worker_died_and_the_queue_go
 
 def submit_with_timeout(conn, results_url: str, model_root: Path, *, timeout_s: int | None) -> str:
     """A job as the API queues it, with the request field ``timeout_s``; rq's own timeout (600 s) is far off."""
-    job_id = uuid.uuid4().hex
-    buf = io.BytesIO()
-    np.savez(buf, x=x_input())
-    inputs_uri = storage.join(results_url, job_id, "inputs.npz")
-    storage.write_bytes(inputs_uri, buf.getvalue())
-    spec = QueuedJob(id=job_id, model=ModelRef(path=str(model_root / "mlp")), inputs_uri=inputs_uri,
-                     results_url=results_url, of="y", wrt="x", mode="reverse", chunk_rows=4, strategy="vectorized",
-                     shards=1, timeout_s=timeout_s).model_dump(mode="json")
-    JobStore(conn).create(JobRecord(id=job_id, status=JobStatus.queued, spec=spec, created_at=time.time()))
-    Queue(get_settings().queue_name, connection=conn, serializer=JSONSerializer).enqueue(
-        "worker.tasks.run_job", spec, job_id=job_id, retry=Retry(max=2), job_timeout=600)
-    return job_id
+    return submit(conn, results_url, model_root, retry=Retry(max=2), job_timeout=600,
+                  queue_name=get_settings().queue_name, timeout_s=timeout_s)
 
 
 def test_a_job_over_its_timeout_s_fails_naming_that_limit_and_leaves_no_result(worker_env, redis_conn, model_root,
