@@ -24,10 +24,10 @@ The first call of a kind tries the labels in that order on its seeds plus one ra
 whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``; a JVP row ``J t`` by
 the dot-product test ``u . J t = (J^T u) . t`` against one eager VJP, a single backward pass); the first label
 that runs and agrees is kept for the operator (and, through ``worker.execution.operators``, for later jobs
-and processes). Compiled functions are cached on the loaded model
-(``model.compiled``). ``Operator.counts`` counts the products: per kind, and ``checks`` for the probe
-rows and reference products spent choosing. Results are cast to the wider dtype of ``of`` and ``wrt``
-(``contracts.rules.result_dtype``), or ``output_dtype``.
+and processes). Compiled functions are cached on the loaded model (``model.compiled``) and the chosen one's
+graph in the cache folder (``trace_cache``). ``Operator.counts`` counts the products: per kind, and ``checks``
+for the probe rows and reference products spent choosing. Results: the wider dtype of ``of`` and ``wrt`` (or
+``output_dtype``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 from contracts import rules
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
 from contracts.kinds import kind_spec
-from worker.engine import matfree_rules, pfor_patches
+from worker.engine import matfree_rules, pfor_patches, trace_cache
 from worker.engine.chunk_run import Adjoint, agrees
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
 from worker.engine.memory import is_out_of_memory
@@ -109,6 +109,7 @@ class Operator:
         self.counts = {"jvp": 0, "vjp": 0, "hvp": 0, "checks": 0}
         self.labels: dict[str, str] = {}      # per kind: the label chosen by its first call
         self.on_choice: Callable[[], None] | None = None   # told when a label is chosen (to keep it)
+        self.trace_dir: str | None = None     # the cache folder: traced functions kept for later processes
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
         self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
@@ -230,9 +231,11 @@ class Operator:
 
     def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
         label = self.labels.get(kind)
-        if label is not None:
-            return self._run(kind, label, seeds)
-        return self._choose(kind, seeds)
+        if label is None:
+            return self._choose(kind, seeds)
+        rows = self._run(kind, label, seeds)
+        self._keep_trace(kind, label)
+        return rows
 
     # -- choosing how -------------------------------------------------------------------------
 
@@ -280,6 +283,7 @@ class Operator:
                 continue
             self.labels[kind] = label
             self.counts["checks"] += 1
+            self._keep_trace(kind, label)
             if self.on_choice is not None:
                 self.on_choice()
             return rows[:-1]
@@ -335,10 +339,26 @@ class Operator:
         return ProductKey(self.of, self.axis.names, self.axis.optional, kind, label,
                           self.reduce if kind_spec(kind).scalar_of else None, self.compute_dtype, inputs)
 
+    def _trace_key(self, kind: str, label: str) -> tuple[Any, ...] | None:
+        shapes = tuple(sorted((n, tuple(t.shape.as_list())) for n, t in self.inputs.items()))
+        return ("product-trace", self.model.fingerprint, self.model.signature, shapes, self.key(kind, label)) \
+            if self.trace_dir and self.model.fingerprint and not label.endswith("/eager") else None
+
+    def _keep_trace(self, kind: str, label: str) -> None:
+        """Store the chosen label's traced function for later processes (``trace_cache``), once per process."""
+        key = self._trace_key(kind, label)
+        fn = self.model.compiled.peek(self.key(kind, label))
+        if key and fn is not None and not getattr(fn, "graph_from_cache", False):
+            trace_cache.store(self.trace_dir, key, fn, self.model.variables)
+
     def _compiled(self, tf: Any, kind: str, label: str) -> Any:
         pfor_patches.install()
 
         def build() -> Any:
+            key = self._trace_key(kind, label)
+            stored = trace_cache.load(self.trace_dir, key, self.model.variables) if key else None
+            if stored is not None:
+                return stored
             spec = {n: tf.TensorSpec(s.shape, s.dtype) for n, s in self.model.input_specs.items()}
             traced = functools.partial(body(tf, self, kind, label))  # see strategies._compiled
             return tf.function(traced, reduce_retracing=False,
