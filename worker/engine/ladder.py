@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 GROWTH_GAIN = 0.10   # a doubled chunk (twice the memory) must give 10 % more rows/s, on paired timings
 PAIRS = 3            # pairs in a comparison: the median decides (the majority, often known after two)
