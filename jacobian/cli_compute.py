@@ -44,7 +44,8 @@ def cmd_compute(args: argparse.Namespace) -> int:
     options = {"of": args.of, "wrt": wrt, "kind": args.kind, "mode": args.mode, "reduce": args.reduce,
                "check_independence": args.check_independence, "output_dtype": args.output_dtype,
                "precision": args.precision, "chunk_rows": args.chunk_rows, "rank": args.rank, "tol": args.tol,
-               "samples": args.samples, "sparsity": parse_sparsity(args.sparsity)}
+               "samples": args.samples, "sparsity": parse_sparsity(args.sparsity),
+               "max_iterations": args.max_iterations, "allow_unconverged": args.allow_unconverged}
     try:
         job = local_job(options, model_path=str(Path(args.model).expanduser().resolve()), signature=args.signature,
                         out=args.out, job_id=job_id, inputs_path=args.input)
@@ -98,7 +99,11 @@ def _dry_run(job: Any, args: argparse.Namespace, settings: Any) -> int:
 
 
 FLAGS = ("wrt", "of", "rank", "tol", "samples", "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
-         "memory_budget_bytes", "chunk_rows", "inputs")
+         "memory_budget_bytes", "chunk_rows", "inputs", "max_iterations", "allow_unconverged")
+# the API's words for a fix inside a message, in the command line's
+SPELLINGS = (("reduce='sum'", "--reduce sum"), ("GET /v1/models/signature", "the model's signature"),
+             ("allow_unconverged: true", "--allow-unconverged"), ("max_iterations (", "--max-iterations ("),
+             ("loosen tol (", "loosen --tol ("), ("smaller rank (", "smaller --rank ("))
 
 
 def as_flag(message: str) -> str:
@@ -109,7 +114,9 @@ def as_flag(message: str) -> str:
     if sep and name in FLAGS:
         flag = {"memory_budget_bytes": "memory-budget", "inputs": "input"}.get(name, name.replace("_", "-"))
         message = f"--{flag}{head[len(name):]}:{rest}"
-    return message.replace("reduce='sum'", "--reduce sum").replace("GET /v1/models/signature", "the model's signature")
+    for api, cli in SPELLINGS:
+        message = message.replace(api, cli)
+    return message
 
 
 def cli_spelling(err: Any) -> str:
@@ -136,6 +143,8 @@ def done_line(manifest: dict[str, Any], since_start_s: float) -> str:
     elif "method" in plan:
         lines.append(f"done: {plan.get('kind')} by {plan['method']}, {plan.get('iterations')} iterations, products "
                      f"{plan.get('products')}, {plan.get('run_seconds')} s")
+        if manifest.get("converged") is False:
+            lines[-1] += f"; NOT CONVERGED, kept by --allow-unconverged: {manifest.get('warning')}"
     else:
         rows = plan.get("rows_computed") or 0
         rate = rows / max(plan.get("run_seconds") or 1e-9, 1e-9)
