@@ -36,7 +36,10 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _fail(kind: str, message: str, code: int = 2) -> int:
-    print(f"error: {kind}: {message}", file=sys.stderr, flush=True)
+    """Print the API's error in the command line's spelling (``jacobian.cli_words.as_flag``); return ``code``."""
+    from jacobian.cli_words import as_flag
+
+    print(f"error: {kind}: {as_flag(message)}", file=sys.stderr, flush=True)
     return code
 
 

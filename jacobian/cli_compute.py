@@ -18,6 +18,7 @@ from typing import Any
 from contracts.kinds import KINDS as REGISTERED
 from jacobian.cli_matfree import add_arguments as add_matfree_arguments
 from jacobian.cli_sparse import add_arguments as add_sparse_arguments
+from jacobian.cli_words import as_flag, cli_spelling
 
 _STARTED = time.perf_counter()
 KINDS = tuple(REGISTERED)
@@ -96,37 +97,6 @@ def _dry_run(job: Any, args: argparse.Namespace, settings: Any) -> int:
         return 2
     print(quoted.model_dump_json(indent=2), flush=True)
     return 0
-
-
-FLAGS = ("wrt", "of", "rank", "tol", "samples", "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
-         "memory_budget_bytes", "chunk_rows", "inputs", "max_iterations", "allow_unconverged")
-# the API's words for a fix inside a message, in the command line's
-SPELLINGS = (("reduce='sum'", "--reduce sum"), ("GET /v1/models/signature", "the model's signature"),
-             ("allow_unconverged: true", "--allow-unconverged"), ("max_iterations (", "--max-iterations ("),
-             ("loosen tol (", "loosen --tol ("), ("smaller rank (", "smaller --rank ("))
-
-
-def as_flag(message: str) -> str:
-    """A message that starts with a request field (``wrt: ...``) in the command line's spelling (``--wrt: ...``),
-    and the API's ``reduce='sum'`` as ``--reduce sum``."""
-    head, sep, rest = message.partition(":")
-    name = head.split(".")[0]
-    if sep and name in FLAGS:
-        flag = {"memory_budget_bytes": "memory-budget", "inputs": "input"}.get(name, name.replace("_", "-"))
-        message = f"--{flag}{head[len(name):]}:{rest}"
-    for api, cli in SPELLINGS:
-        message = message.replace(api, cli)
-    return message
-
-
-def cli_spelling(err: Any) -> str:
-    """A request refused by the rules (a ``pydantic.ValidationError``) in the command line's words."""
-    parts = []
-    for e in err.errors():
-        message = str(e.get("msg", "")).removeprefix("Value error, ")
-        field = ".".join(str(p) for p in e.get("loc", ()) if not isinstance(p, int))
-        parts.append(as_flag(message if ":" in message.split(" ")[0] or not field else f"{field}: {message}"))
-    return "; ".join(parts)
 
 
 def done_line(manifest: dict[str, Any], since_start_s: float) -> str:
