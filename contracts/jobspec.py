@@ -163,6 +163,13 @@ class JobOptions(BaseModel):
     rank: int | None = Field(None, ge=1, le=MAX_CHUNK_ROWS, description="svd, hessian_eig: how many singular "
                              "values or eigenpairs (largest first)")
     tol: float | None = Field(None, gt=0, lt=0.5, description="svd, hessian_eig: relative accuracy (default 1e-4)")
+    max_iterations: int | None = Field(None, ge=1, le=1_000_000, description="svd, hessian_eig: iterations allowed "
+                                       "to meet tol (svd: subspace iterations, default 200; hessian_eig: Lanczos "
+                                       "steps, default max(20 rank, 100)); not converged within them, the job "
+                                       "fails with error type NotConverged naming the residuals")
+    allow_unconverged: bool = Field(False, description="svd, hessian_eig: keep a result that did not meet tol "
+                                    "within max_iterations; the job succeeds with result.converged false and "
+                                    "result.warning saying so (default false: such a job fails NotConverged)")
     samples: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_trace: Hessian-vector products "
                                 "to spend (default 100; at least the wrt size gives the exact trace)")
     precision: Literal["highest", "tf32"] = Field(
@@ -209,9 +216,9 @@ class JobOptions(BaseModel):
             variables = [n for n in named if n.startswith("variables/")]
             if variables:
                 raise ValueError(no_batch_axis_variable(spec.name, variables[0]))
-        for name in ("rank", "tol", "samples"):
+        for name in ("rank", "tol", "samples", "max_iterations", "allow_unconverged"):
             kinds = kinds_taking(name)
-            if getattr(self, name) is not None and self.kind.value not in kinds:
+            if getattr(self, name) not in (None, False) and self.kind.value not in kinds:
                 raise ValueError(f"{name}: only for kind {' or '.join(repr(k) for k in kinds)}; remove it")
         for name in spec.required:
             if getattr(self, name) is None:

@@ -106,6 +106,10 @@ _EIG = Spectrum("lanczos", "Eigenvalues of the Hessian of {of} w.r.t. {wrt}", "e
                 order="k (largest magnitude first)", residual="residual ||H v - λ v||")
 _TRACE = Spectrum("trace_estimate", "Trace of the Hessian of {of} w.r.t. {wrt}", "tr(H)")
 
+# the iterative spectra's fields: how many values, their accuracy, the iterations allowed, and whether a result
+# that misses tol within them may be kept (else the job fails NotConverged)
+_SPECTRUM_FIELDS = ("rank", "tol", "max_iterations", "allow_unconverged")
+
 _SPECS = (
     KindSpec("jacobian", Family.dense, ("jacobian",), (("of", "wrt"),), "d of / d wrt, shape of.shape + wrt.shape",
              sparsity=True, sparse_unit="colours"),
@@ -121,10 +125,10 @@ _SPECS = (
              seeds="wrt", scalar_of=True, preview="products", symbol="H v", product_axes="wrt",
              routes=("forward", "reverse")),
     KindSpec("svd", Family.spectral, ("S", "U", "V"), (("k",), ("k", "of"), ("k", "wrt")),
-             "the rank largest singular values of J and their vectors", fields=("rank", "tol"), required=("rank",),
+             "the rank largest singular values of J and their vectors", fields=_SPECTRUM_FIELDS, required=("rank",),
              shards=None, resume=None, preview="spectrum", spectrum=_SVD),
     KindSpec("hessian_eig", Family.spectral, ("eigenvalues", "eigenvectors"), (("k",), ("k", "wrt")),
-             "the rank eigenpairs of H of largest magnitude", scalar_of=True, fields=("rank", "tol"),
+             "the rank eigenpairs of H of largest magnitude", scalar_of=True, fields=_SPECTRUM_FIELDS,
              required=("rank",), shards=None, resume=None, preview="spectrum", spectrum=_EIG),
     KindSpec("hessian_trace", Family.spectral, ("trace", "stderr"), ((), ()),
              "tr(H) by Hutch++/Hutchinson with its stderr", scalar_of=True, fields=("samples",), shards=None,
@@ -132,7 +136,7 @@ _SPECS = (
 )
 
 KINDS: dict[str, KindSpec] = {s.name: s for s in _SPECS}
-KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # rank, samples, tol
+KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # allow_unconverged, max_iterations, rank, ...
 
 
 def kind_spec(name: str) -> KindSpec:
@@ -151,7 +155,8 @@ def kinds_where(**wanted: object) -> tuple[str, ...]:
 
 
 def kinds_taking(field: str) -> tuple[str, ...]:
-    """The kinds that take the request field ``field`` (``rank``, ``tol``, ``samples``)."""
+    """The kinds that take the request field ``field`` (``rank``, ``tol``, ``max_iterations``,
+    ``allow_unconverged``, ``samples``)."""
     return tuple(s.name for s in _SPECS if field in s.fields)
 
 

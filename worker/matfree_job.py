@@ -46,9 +46,10 @@ def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
 @dataclass
 class MatFreeRun:
     """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``, ``rank``, ``tol``,
-    ``samples``), ``chunk_size`` (None: planned from memory), ``on_progress(done, total)`` (seeds or iterations),
-    ``should_stop``, what the manifest adds, ``block_bytes`` (the products' storage blocks, default 32 MiB: the
-    unit a retried job resumes from) and, for a shard, its seeds ``rows`` written into the existing array."""
+    ``max_iterations``, ``allow_unconverged``, ``samples``), ``chunk_size`` (None: planned from memory),
+    ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds, ``block_bytes``
+    (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a shard, its seeds
+    ``rows`` written into the existing array."""
 
     results_url: str
     job_id: str
@@ -56,6 +57,8 @@ class MatFreeRun:
     rank: int | None = None
     tol: float | None = None
     samples: int | None = None
+    max_iterations: int | None = None
+    allow_unconverged: bool = False
     chunk_size: int | None = None
     on_progress: Callable[[int, int | None], None] | None = None
     should_stop: Callable[[], bool] | None = None
@@ -114,6 +117,10 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                 **{k: v for k, v in (run.manifest_fields or {}).items() if v is not None}}
     if result.residuals is not None:
         manifest["residuals"] = [float(r) for r in np.asarray(result.residuals, np.float64)]
+    if spec.family is not Family.products:
+        manifest["converged"] = bool(result.converged)
+        if "warning" in result.attrs:
+            manifest["warning"] = str(result.attrs["warning"])
     write_manifest(base, manifest)
     return manifest
 

@@ -29,6 +29,16 @@ class BatchNotIndependent(EngineError):
     """``batch_jacobian`` was asked for a model whose examples interact."""
 
 
+class NotConverged(EngineError):
+    """A spectral kind did not meet ``tol`` within ``max_iterations`` (and the request did not say
+    ``allow_unconverged``): the message names the residuals and what to change."""
+
+    def __init__(self, message: str, *, field: str | None = "max_iterations", residuals: list[float] | None = None
+                 ) -> None:
+        super().__init__(message, field=field)
+        self.residuals = residuals or []
+
+
 class MemoryBudgetTooSmall(EngineError):
     """Not even one row fits in the memory budget or the free memory."""
 

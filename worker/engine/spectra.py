@@ -11,7 +11,11 @@ except that ``svd`` starts from the singular vectors of the last converged run o
 a warm start converges in fewer iterations to the same tolerance, so results differ within ``tol``.
 
 - ``svd``: randomized subspace iteration (Halko, Martinsson and Tropp 2011, algorithm 4.4 with the
-  Rayleigh-Ritz step), ``l = rank + max(5, rank)`` vectors (at most ``min(n_of, n_wrt)``). Each iteration
+  Rayleigh-Ritz step), ``l = rank + max(5, rank)`` vectors (at most ``min(n_of, n_wrt)``). The block is
+  widened (its oversampling doubled, new random directions added) when the residuals stop shrinking fast
+  enough to meet ``tol`` within half the iterations left: subspace iteration converges as
+  ``(s_{l+1} / s_rank)^iterations``, and a clustered spectrum (two singular values 1 % apart) needs a wider
+  block, not more iterations; at ``l = min(n_of, n_wrt)`` the Rayleigh-Ritz step is exact. Each iteration
   is one batch of ``l`` VJPs and one of ``l`` JVPs, and a block method is what batched products are good
   at: ``l`` seeds cost one vectorized call, where Lanczos bidiagonalisation would make ``2l`` sequential
   calls of one seed. After ``J^T Q = P R`` and the SVD ``R^T = U_b S V_b^T``, ``u = Q U_b`` and
@@ -27,7 +31,9 @@ a warm start converges in fewer iterations to the same tolerance, so results dif
   products (``100 eps`` of the largest value: float32 products cannot resolve less). Values that merely
   stopped changing are not enough: on a clustered spectrum (an MLP's Hessian has eigenvalues 0.07 %
   apart) a Ritz value that mixes two eigenvalues changes by less than 1e-4 per step long before
-  Lanczos resolves the pair. ``max_iter`` ends a run that does not converge; ``converged`` says which.
+  Lanczos resolves the pair. ``max_iterations`` ends a run that does not converge: it raises
+  ``NotConverged`` (the residuals, and what to change), unless ``allow_unconverged`` asked for the result
+  anyway, whose ``converged`` is then false and ``attrs["warning"]`` says so.
 - ``hessian_trace``: Hutch++ (Meyer, Musco, Musco and Woodruff 2021): a third of the samples sketch
   ``H`` with Rademacher vectors, a third give the trace of its projection on that range exactly, the
   last third are Hutchinson samples of the deflated rest, whose sample standard deviation gives the
@@ -50,7 +56,7 @@ import numpy as np
 
 from contracts.kinds import kind_spec
 from worker.engine import matfree_rules, trace_cache
-from worker.engine.errors import Stopped
+from worker.engine.errors import NotConverged, Stopped
 from worker.engine.matfree import MatFreeResult, Operator
 from worker.engine.problem import _ruled
 
@@ -105,28 +111,34 @@ def _signed(vectors: np.ndarray) -> np.ndarray:
     return vectors * np.where(signs == 0, 1.0, signs)[:, None]
 
 
-def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | None = None, max_iter: int = 50,
-        seed: int = 0, chunk_size: int | None = None, progress: Progress | None = None,
+def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | None = None,
+        max_iterations: int | None = None, allow_unconverged: bool = False, seed: int = 0,
+        chunk_size: int | None = None, progress: Progress | None = None,
         should_stop: StopCheck | None = None) -> MatFreeResult:
     """The ``rank`` largest singular values of J (``of`` w.r.t. the wrt axis): ``S (rank,)`` descending,
-    ``U (rank,) + of.shape``, ``V (rank, n_wrt)``; residuals ``||J v - s u|| / s`` (see the module docstring)."""
+    ``U (rank,) + of.shape``, ``V (rank, n_wrt)``; residuals ``||J v - s u|| / s`` (see the module docstring).
+    Raises ``NotConverged`` when ``tol`` does not hold within ``max_iterations`` (default 200) iterations,
+    unless ``allow_unconverged``."""
     m, n = op.n_of, op.n_wrt
     rank = _ruled(matfree_rules.check_rank, "svd", rank, of_size=m, wrt_size=n)
     tol = _ruled(matfree_rules.check_tol, tol)
+    limit = _ruled(matfree_rules.check_max_iterations, max_iterations, default=matfree_rules.DEFAULT_SVD_ITERATIONS)
     run = _Run(op, chunk_size, progress, should_stop)
-    width = min(rank + (max(5, rank) if oversample is None else max(0, int(oversample))), m, n)
+    full = min(m, n)
+    width = min(rank + (max(5, rank) if oversample is None else max(0, int(oversample))), full)
     rng = np.random.default_rng(seed)
     omega = rng.standard_normal((width, n))
     start = trace_cache.start_vectors(op, "svd", n)   # the last converged V of this model, of and wrt
     if start is not None:
         omega[:min(len(start), rank)] = start[:rank]
     q = np.linalg.qr(run.apply("jvp", omega).T)[0]                                    # (m, l)
-    iteration, converged = 0, False
+    iteration, converged, widened = 0, False, 0
     s = np.zeros(rank)
     u = np.zeros((m, rank))
     v = np.zeros((n, rank))
     relative = np.full(rank, np.inf)
-    while iteration < max_iter:
+    history: list[float] = []     # the worst residual over what tol allows, per iteration at this width
+    while iteration < limit:
         run.stop_point()
         iteration += 1
         p, r = np.linalg.qr(run.apply("vjp", q.T).T)                                   # J^T Q = P R, P (n, l)
@@ -140,7 +152,17 @@ def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | 
         if _converged(s, residuals, tol, op.compute_dtype):
             converged = True
             break
-        q = np.linalg.qr(jp)[0]
+        history.append(_worst(s, residuals, tol, op.compute_dtype))
+        if width < full and iteration < limit and _stalled(history, limit - iteration):
+            extra = min(full - width, max(width - rank, 5))                             # oversampling doubled
+            fresh = run.apply("jvp", rng.standard_normal((extra, n))).T                  # J G: new directions
+            q = np.linalg.qr(np.concatenate([jp, fresh], axis=1))[0]
+            width, widened, history = width + extra, widened + 1, []
+        else:
+            q = np.linalg.qr(jp)[0]
+    if not converged and not allow_unconverged:
+        raise _not_converged("svd", relative, tol=tol, rank=rank, limit=limit,
+                             how=f"randomized subspace iteration, block of {width} vectors")
     vt = _signed(v.T)
     ut = u.T * np.sign(np.sum(vt * v.T, axis=1))[:, None]    # flip u with v: J v = s u holds
     if converged:
@@ -150,22 +172,27 @@ def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | 
         kind="svd", method="randomized subspace iteration", iterations=iteration, residuals=relative,
         converged=converged, products=run.products,
         arrays={"S": s.astype(dtype), "U": ut.reshape((rank,) + op.of_shape).astype(dtype), "V": vt.astype(dtype)},
-        attrs={"rank": rank, "tol": tol, "oversample": width - rank, "block": width, "seed": seed,
+        attrs={"rank": rank, "tol": tol, "oversample": width - rank, "block": width, "widened": widened,
+               "seed": seed, "max_iterations": limit, "residual": "||J v - s u|| / s",
                "start": "random" if start is None else f"{min(len(start), rank)} kept vectors + random",
-               "residual": "||J v - s u|| / s"})
+               **_unconverged_attrs(converged, relative, tol)})
 
 
-def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: int | None = None, seed: int = 0,
-                progress: Progress | None = None, should_stop: StopCheck | None = None,
-                chunk_size: int | None = None) -> MatFreeResult:
+def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iterations: int | None = None,
+                allow_unconverged: bool = False, seed: int = 0, progress: Progress | None = None,
+                should_stop: StopCheck | None = None, chunk_size: int | None = None) -> MatFreeResult:
     """The ``rank`` eigenpairs of H (of ``sum(of)`` w.r.t. the wrt axis) of largest magnitude: ``eigenvalues
-    (rank,)`` by decreasing magnitude, ``eigenvectors (rank, n_wrt)``; residuals ``||H v - l v||``."""
+    (rank,)`` by decreasing magnitude, ``eigenvectors (rank, n_wrt)``; residuals ``||H v - l v||``. Raises
+    ``NotConverged`` when ``tol`` does not hold within ``max_iterations`` Lanczos steps (default
+    ``max(20 rank, 100)``; the Krylov space grows by one vector a step, up to ``n_wrt``, where it is exact),
+    unless ``allow_unconverged``."""
     op.require_hessian("hessian_eig")
     n = op.n_wrt
     rank = _ruled(matfree_rules.check_rank, "hessian_eig", rank, of_size=op.n_of, wrt_size=n)
     tol = _ruled(matfree_rules.check_tol, tol)
+    limit = _ruled(matfree_rules.check_max_iterations, max_iterations, default=max(20 * rank, 100))
     run = _Run(op, chunk_size, progress, should_stop)
-    steps = min(n, max(rank, max_iter or max(20 * rank, 100)))
+    steps = min(n, max(rank, limit))
     rng = np.random.default_rng(seed)
     basis = np.empty((steps + 1, n))
     alpha, beta = np.zeros(steps), np.zeros(steps)
@@ -207,12 +234,62 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: 
     vectors = _signed((basis[:j].T @ ritz).T)
     hv = run.apply("hvp", vectors)
     residuals = np.linalg.norm(hv - vectors * theta[:, None], axis=1)
+    if not converged and not allow_unconverged:
+        raise _not_converged("hessian_eig", _relative(residuals, theta), tol=tol, rank=rank, limit=limit,
+                             how=f"Lanczos, {j} steps")
     dtype = op.dtype
     return MatFreeResult(
         kind="hessian_eig", method="lanczos, full reorthogonalisation", iterations=j, residuals=residuals,
         converged=converged, products=run.products,
         arrays={"eigenvalues": theta.astype(dtype), "eigenvectors": vectors.astype(dtype)},
-        attrs={"rank": rank, "tol": tol, "seed": seed, "max_iter": steps, "residual": "||H v - l v||"})
+        attrs={"rank": rank, "tol": tol, "seed": seed, "max_iterations": limit, "max_iter": steps,
+               "residual": "||H v - l v||", **_unconverged_attrs(converged, _relative(residuals, theta), tol)})
+
+
+def _worst(values: np.ndarray, residuals: np.ndarray, tol: float, dtype: str) -> float:
+    """The largest ratio of a residual to what ``_converged`` allows it (below 1 for every value: converged)."""
+    scale = np.abs(values)
+    floor = 100 * float(np.finfo(dtype).eps) * (float(scale.max()) if scale.size else 0.0)
+    allowed = np.maximum(tol * scale, floor)
+    return float(np.max(residuals / np.where(allowed > 0, allowed, np.finfo(np.float64).tiny)))
+
+
+def _stalled(history: list[float], left: int, window: int = 4) -> bool:
+    """Whether the residual ratios of the last ``window`` iterations shrink too slowly to reach 1 within half of
+    the ``left`` iterations (or do not shrink): then the block is widened."""
+    if len(history) <= window:
+        return False
+    now, before = history[-1], history[-1 - window]
+    if not (np.isfinite(now) and np.isfinite(before)) or before <= 0:
+        return False
+    rate = (now / before) ** (1.0 / window)
+    if rate >= 1.0:
+        return True
+    return math.log(now) / -math.log(rate) > left / 2
+
+
+def _not_converged(kind: str, relative: np.ndarray, *, tol: float, rank: int, limit: int, how: str) -> NotConverged:
+    """The ``NotConverged`` of a spectrum: its relative residuals against ``tol`` and the three ways out."""
+    relative = np.asarray(relative, np.float64)
+    shown = ", ".join(f"{r:.2g}" for r in relative)
+    worst = float(relative.max()) if relative.size else float("inf")
+    loose = f"{min(0.49, worst * 1.5):.1g}" if np.isfinite(worst) else "larger"
+    counted = kind_spec(kind).spectrum.counted if kind_spec(kind).spectrum else "values"
+    return NotConverged(
+        f"{kind}: not converged within {limit} iterations ({how}): relative residuals [{shown}] of the {rank} "
+        f"{counted} against tol {tol:g}; raise max_iterations (now {limit}), loosen tol (now {tol:g}; these "
+        f"residuals meet {loose}) or ask for a smaller rank (now {rank}); or set allow_unconverged: true to keep "
+        "this result, marked unconverged", residuals=[float(r) for r in relative])
+
+
+def _unconverged_attrs(converged: bool, relative: np.ndarray, tol: float) -> dict[str, Any]:
+    """What an unconverged result allowed by ``allow_unconverged`` says of itself (nothing when converged)."""
+    if converged:
+        return {}
+    worst = float(np.max(relative)) if np.size(relative) else float("nan")
+    return {"allow_unconverged": True,
+            "warning": f"not converged: the largest relative residual is {worst:.2g}, above tol {tol:g} "
+                       "(kept because allow_unconverged was set)"}
 
 
 def _norm(v: np.ndarray) -> float:

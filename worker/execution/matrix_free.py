@@ -88,7 +88,8 @@ class SpectralExecutor(Executor):
     def run(self, ctx: RunContext) -> dict[str, Any]:
         op, _ = operator(ctx)
         job = ctx.job
-        return _run_whole(ctx, op, rank=job.rank, tol=job.tol, samples=job.samples)
+        return _run_whole(ctx, op, rank=job.rank, tol=job.tol, samples=job.samples, max_iterations=job.max_iterations,
+                          allow_unconverged=job.allow_unconverged)
 
 
 def _run_whole(ctx: RunContext, op: Any, **kind_args: Any) -> dict[str, Any]:
