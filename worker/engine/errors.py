@@ -51,3 +51,11 @@ class WrongRowsDelivered(EngineError):
 
 class GPUMemoryReserved(EngineError):
     """TensorFlow reserved the whole GPU before memory growth (or a memory limit) was set: no plan can hold."""
+
+
+class NotConverged(EngineError):
+    """An iterative solve did not reach its tolerance within its iterations (``ihvp``): never a silent answer."""
+
+
+class NotPositiveDefinite(EngineError):
+    """Conjugate gradients met a direction of non-positive curvature: the damped matrix is not positive definite."""

@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from contracts.kinds import kind_spec
+from contracts.kinds import applied_product, kind_spec
 from worker.engine import matfree_rules
 from worker.engine.errors import Stopped
 from worker.engine.matfree import MatFreeResult, Operator
 from worker.engine.problem import _ruled
+from worker.engine.solve import conjugate_gradients
 
 Progress = Callable[[int, int | None], None]
 StopCheck = Callable[[], bool]
@@ -78,7 +79,7 @@ class _Run:
 
     @property
     def products(self) -> dict[str, int]:
-        return {k: self.op.counts[k] - self.before[k] for k in self.op.counts}
+        return {k: self.op.counts[k] - self.before.get(k, 0) for k in self.op.counts}
 
 
 def _converged(values: np.ndarray, residuals: np.ndarray, tol: float, dtype: str) -> bool:
@@ -147,12 +148,13 @@ def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | 
 
 def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: int | None = None, seed: int = 0,
                 progress: Progress | None = None, should_stop: StopCheck | None = None,
-                chunk_size: int | None = None) -> MatFreeResult:
+                chunk_size: int | None = None, product: str = "hvp", kind: str = "hessian_eig") -> MatFreeResult:
     """The ``rank`` eigenpairs of H (of ``sum(of)`` w.r.t. the wrt axis) of largest magnitude: ``eigenvalues
-    (rank,)`` by decreasing magnitude, ``eigenvectors (rank, n_wrt)``; residuals ``||H v - l v||``."""
-    op.require_hessian("hessian_eig")
+    (rank,)`` by decreasing magnitude, ``eigenvectors (rank, n_wrt)``; residuals ``||H v - l v||``. ``product``:
+    the symmetric matrix's products (``hvp``; ``ggn_vp``, the Gauss-Newton matrix, for ``kind`` ``ggn_eig``)."""
+    _require(op, product, kind)
     n = op.n_wrt
-    rank = _ruled(matfree_rules.check_rank, "hessian_eig", rank, of_size=op.n_of, wrt_size=n)
+    rank = _ruled(matfree_rules.check_rank, kind, rank, of_size=op.n_of, wrt_size=n)
     tol = _ruled(matfree_rules.check_tol, tol)
     run = _Run(op, chunk_size, progress, should_stop)
     steps = min(n, max(rank, max_iter or max(20 * rank, 100)))
@@ -165,7 +167,7 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: 
     theta, ritz = np.zeros(0), np.zeros((0, 0))
     while j < steps:
         run.stop_point()
-        w = run.apply("hvp", basis[j:j + 1])[0]
+        w = run.apply(product, basis[j:j + 1])[0]
         alpha[j] = np.einsum("i,i", w, basis[j])
         for _ in range(2):   # full reorthogonalisation against every basis vector, twice
             w -= basis[:j + 1].T @ (basis[:j + 1] @ w)
@@ -195,14 +197,20 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iter: 
     if theta.size < rank:   # max_iter below rank: the Ritz pairs there are
         theta, ritz = _ritz(alpha[:j], beta[:j - 1], min(rank, j))
     vectors = _signed((basis[:j].T @ ritz).T)
-    hv = run.apply("hvp", vectors)
+    hv = run.apply(product, vectors)
     residuals = np.linalg.norm(hv - vectors * theta[:, None], axis=1)
     dtype = op.dtype
     return MatFreeResult(
-        kind="hessian_eig", method="lanczos, full reorthogonalisation", iterations=j, residuals=residuals,
+        kind=kind, method="lanczos, full reorthogonalisation", iterations=j, residuals=residuals,
         converged=converged, products=run.products,
         arrays={"eigenvalues": theta.astype(dtype), "eigenvectors": vectors.astype(dtype)},
         attrs={"rank": rank, "tol": tol, "seed": seed, "max_iter": steps, "residual": "||H v - l v||"})
+
+
+def _require(op: Operator, product: str, kind: str) -> None:
+    """The rule of the matrix ``product`` applies: the Hessian's scalar ``of`` (or ``reduce='sum'``)."""
+    if kind_spec(product).scalar_of:
+        op.require_hessian(kind)
 
 
 def _norm(v: np.ndarray) -> float:
@@ -234,11 +242,13 @@ def _ritz(alpha: np.ndarray, beta: np.ndarray, rank: int) -> tuple[np.ndarray, n
 
 def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "auto", seed: int = 0,
                   chunk_size: int | None = None, progress: Progress | None = None,
-                  should_stop: StopCheck | None = None) -> MatFreeResult:
+                  should_stop: StopCheck | None = None, product: str = "hvp",
+                  kind: str = "hessian_trace") -> MatFreeResult:
     """tr(H) (of ``sum(of)`` w.r.t. the wrt axis) from ``samples`` HVPs: ``trace`` and its ``stderr`` (0-d).
     ``method``: ``auto`` (``exact`` when ``samples >= n_wrt``; else from 6 samples the Hutch++ products, and
-    the better of their two estimates; else ``hutchinson``), ``hutch++``, ``hutchinson`` or ``exact``."""
-    op.require_hessian("hessian_trace")
+    the better of their two estimates; else ``hutchinson``), ``hutch++``, ``hutchinson`` or ``exact``.
+    ``product``: the symmetric matrix's products (``hvp``; ``ggn_vp`` for ``kind`` ``ggn_trace``)."""
+    _require(op, product, kind)
     samples = _ruled(matfree_rules.check_samples, samples, method=method)
     n = op.n_wrt
     requested = method
@@ -257,7 +267,7 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
         def chunk(start: int, rows: np.ndarray) -> None:
             run.report(base + start + len(rows), total)
 
-        out = run.apply("hvp", seeds, on_chunk=chunk)
+        out = run.apply(product, seeds, on_chunk=chunk)
         done += len(seeds)
         return out
 
@@ -298,7 +308,7 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
     trace, stderr = estimates[method]["trace"], estimates[method]["stderr"]
     dtype = op.dtype
     return MatFreeResult(
-        kind="hessian_trace", method=method, iterations=done, converged=True, products=run.products,
+        kind=kind, method=method, iterations=done, converged=True, products=run.products,
         arrays={"trace": np.asarray(trace, dtype), "stderr": np.asarray(stderr, dtype)},
         attrs={"samples": samples, "seed": seed, "requested_method": requested, "estimates": estimates})
 
@@ -310,12 +320,19 @@ def _mean(samples: np.ndarray) -> dict[str, float]:
 
 
 def spectral(op: Operator, kind: str, **options: Any) -> MatFreeResult:
-    """Kind ``svd``, ``hessian_eig`` or ``hessian_trace`` by its spec's ``Spectrum.algorithm`` (``options`` as
-    each function takes them)."""
-    spectrum = kind_spec(kind).spectrum
-    if spectrum is None:
+    """A spectral kind (``svd``, ``hessian_eig``, ``ggn_trace``, ``ihvp``, ...) by its spec's ``Spectrum.algorithm``
+    on the products its spec applies (``contracts.kinds.applied_product``: ``hvp``, ``ggn_vp``, or the request's
+    ``curvature``); ``options`` as each function takes them (``loss`` is the operator's, set by its caller)."""
+    spec = kind_spec(kind)
+    if spec.spectrum is None:
         raise KeyError(kind)
-    return ALGORITHMS[spectrum.algorithm](op, **options)
+    options.pop("loss", None)
+    product = applied_product(spec, options.pop("curvature", None))
+    if product:
+        options.update(product=product, kind=kind)
+    return ALGORITHMS[spec.spectrum.algorithm](op, **options)
 
 
-ALGORITHMS = {"subspace_iteration": svd, "lanczos": hessian_eig, "trace_estimate": hessian_trace}
+ALGORITHMS: dict[str, Callable[..., MatFreeResult]] = {"subspace_iteration": svd, "lanczos": hessian_eig,
+                                                        "trace_estimate": hessian_trace,
+                                                        "conjugate_gradients": conjugate_gradients}
