@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests import models
+from tests.engine.reference import curvature_references
 
 RNG = np.random.default_rng(11)
 X6 = RNG.standard_normal((4, 6)).astype("float32")
@@ -83,20 +84,6 @@ def labels_of(case: Case, y_shape: tuple[int, ...]) -> np.ndarray:
     return rng.standard_normal(y_shape)
 
 
-def per_example(tf, loss: str, y, t):
-    """Each example's loss (axis 0), Keras' reduction inside an example (the mean), TensorFlow's own losses."""
-    n = y.shape[0]
-    if loss == "mse":
-        e = tf.square(y - t)
-    elif loss == "sigmoid_cross_entropy":
-        e = tf.nn.sigmoid_cross_entropy_with_logits(labels=t, logits=y)
-    elif t.dtype.is_integer:
-        e = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=t, logits=y)
-    else:
-        e = tf.nn.softmax_cross_entropy_with_logits(labels=t, logits=y)
-    return tf.reduce_mean(tf.reshape(e, [n, -1]), axis=1)
-
-
 def keras_loss(loss: str, labels: np.ndarray):
     import keras
 
@@ -128,21 +115,11 @@ def dense(op, case: Case) -> Dense:
     jac = np.concatenate([np.asarray(j, np.float64).reshape(op.n_of, -1)
                           for j in tape.jacobian(flat, targets, unconnected_gradients="zero")], axis=1)
     labels = labels_of(case, tuple(y.shape))
-    y64 = tf.constant(np.asarray(y, np.float64))
-    t = tf.constant(labels if labels.dtype.kind in "iu" else labels.astype(np.float64))
-    with tf.GradientTape() as outer:
-        outer.watch(y64)
-        with tf.GradientTape(persistent=True) as inner:
-            inner.watch(y64)
-            each = per_example(tf, case.loss, y64, t)
-            total = tf.reduce_mean(each)
-        grad = tf.reshape(inner.gradient(total, y64), [-1])
-    hl = np.asarray(outer.jacobian(grad, y64)).reshape(op.n_of, op.n_of)
-    per = np.asarray(inner.jacobian(each, y64)).reshape(len(each), op.n_of)     # r_i, example by example
-    keras_value = float(keras_loss(case.loss, labels)(t, y64))
-    np.testing.assert_allclose(float(total), keras_value, rtol=1e-6)          # the losses are Keras'
-    g = per @ jac                                                              # per-example gradients g_i
-    return Dense(op, labels, jac.T @ hl @ jac, g.T @ g / len(g))
+    ggn, fisher, total = curvature_references(jac, np.asarray(y), case.loss, labels)
+    t = labels if labels.dtype.kind in "iu" else labels.astype(np.float64)
+    keras_value = float(keras_loss(case.loss, labels)(t, np.asarray(y, np.float64)))
+    np.testing.assert_allclose(total, keras_value, rtol=1e-6)                 # the losses are Keras'
+    return Dense(op, labels, ggn, fisher)
 
 
 @pytest.fixture(scope="module")
