@@ -79,6 +79,8 @@ class KindSpec:
     product_axes: str = ""    # the products' trailing axes: "of" or "wrt", for the product kinds
     routes: tuple[str, ...] = ()
     spectrum: Spectrum | None = None
+    curvature: str = ""       # a product J^T M J with M applied on the host: "ggn" (the loss' Hessian), "fisher"
+    applies: str = ""         # the product kind a spectral kind's algorithm runs ("hvp"); "curvature": the field's
 
     @property
     def main_array(self) -> str:
@@ -105,6 +107,11 @@ _SVD = Spectrum("subspace_iteration", "Singular values of ∂{of}/∂{wrt}", "si
 _EIG = Spectrum("lanczos", "Eigenvalues of the Hessian of {of} w.r.t. {wrt}", "eigenvalue", counted="eigenpairs",
                 order="k (largest magnitude first)", residual="residual ||H v - λ v||")
 _TRACE = Spectrum("trace_estimate", "Trace of the Hessian of {of} w.r.t. {wrt}", "tr(H)")
+_GGN_EIG = Spectrum("lanczos", "Eigenvalues of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "eigenvalue",
+                    counted="eigenpairs", order="k (largest magnitude first)", residual="residual ||G v - λ v||")
+_GGN_TRACE = Spectrum("trace_estimate", "Trace of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "tr(G)")
+_IHVP = Spectrum("conjugate_gradients", "(A + damping I)⁻¹ v of {of} w.r.t. {wrt}", "(A + λI)⁻¹ v",
+                 residual="relative residual ||(A + λI) x - v|| / ||v||")
 
 # the iterative spectra's fields: how many values, their accuracy, the iterations allowed, and whether a result
 # that misses tol within them may be kept (else the job fails NotConverged)
@@ -129,14 +136,42 @@ _SPECS = (
              shards=None, resume=None, preview="spectrum", spectrum=_SVD),
     KindSpec("hessian_eig", Family.spectral, ("eigenvalues", "eigenvectors"), (("k",), ("k", "wrt")),
              "the rank eigenpairs of H of largest magnitude", scalar_of=True, fields=_SPECTRUM_FIELDS,
-             required=("rank",), shards=None, resume=None, preview="spectrum", spectrum=_EIG),
+             required=("rank",), shards=None, resume=None, preview="spectrum", spectrum=_EIG, applies="hvp"),
     KindSpec("hessian_trace", Family.spectral, ("trace", "stderr"), ((), ()),
              "tr(H) by Hutch++/Hutchinson with its stderr", scalar_of=True, fields=("samples",), shards=None,
-             resume=None, preview="spectrum", spectrum=_TRACE),
+             resume=None, preview="spectrum", spectrum=_TRACE, applies="hvp"),
+    KindSpec("ggn_vp", Family.products, ("products",), (("seed", "wrt"),),
+             "G v = J^T H_L J v for each seed v, H_L the loss' Hessian on of: (k,) + wrt.shape", seeds="wrt",
+             fields=("loss",), required=("loss",), preview="products", symbol="G v", product_axes="wrt",
+             routes=("reverse",), curvature="ggn"),
+    KindSpec("fisher_vp", Family.products, ("products",), (("seed", "wrt"),),
+             "F v = (1/N) sum_i g_i g_i^T v, g_i example i's loss gradient: (k,) + wrt.shape", seeds="wrt",
+             fields=("loss", "labels"), required=("loss", "labels"), preview="products", symbol="F v",
+             product_axes="wrt", routes=("reverse",), curvature="fisher"),
+    KindSpec("ggn_eig", Family.spectral, ("eigenvalues", "eigenvectors"), (("k",), ("k", "wrt")),
+             "the rank eigenpairs of the Gauss-Newton matrix G of largest magnitude",
+             fields=("loss", *_SPECTRUM_FIELDS), required=("loss", "rank"), shards=None, resume=None, preview="spectrum", spectrum=_GGN_EIG,
+             applies="ggn_vp"),
+    KindSpec("ggn_trace", Family.spectral, ("trace", "stderr"), ((), ()),
+             "tr(G) of the Gauss-Newton matrix by Hutch++/Hutchinson with its stderr", fields=("loss", "samples"),
+             required=("loss",), shards=None, resume=None, preview="spectrum", spectrum=_GGN_TRACE,
+             applies="ggn_vp"),
+    KindSpec("ihvp", Family.spectral, ("solutions", "residuals", "iterations"), (("seed", "wrt"), ("seed",),
+             ("seed",)), "(H + damping I)^-1 v or (G + damping I)^-1 v for each seed v, by conjugate gradients",
+             seeds="wrt", fields=("curvature", "damping", "loss", "max_iterations", "tol"), required=("damping",),
+             shards=None, resume=None, preview="products", symbol="(A + λI)⁻¹ v", product_axes="wrt",
+             spectrum=_IHVP, applies="curvature"),
 )
 
 KINDS: dict[str, KindSpec] = {s.name: s for s in _SPECS}
-KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # allow_unconverged, max_iterations, rank, ...
+KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # rank, samples, tol, loss, damping, ...
+LOSSES = ("mse", "softmax_cross_entropy", "sigmoid_cross_entropy")   # the ``loss`` field's values
+CURVATURES = {"hessian": "hvp", "ggn": "ggn_vp"}   # the ``curvature`` field's values: the product kind of each
+FIELD_HELP = {   # what a kind's own field holds, for "kind X needs <field>: ..." messages
+    "rank": "how many values to compute (e.g. 5)", "loss": "the loss on of, one of " + ", ".join(LOSSES),
+    "labels": "the name of the input (a member of inputs) that holds the labels",
+    "damping": "the positive damping added to the diagonal (e.g. 1e-3)",
+}
 
 
 def kind_spec(name: str) -> KindSpec:
@@ -158,6 +193,21 @@ def kinds_taking(field: str) -> tuple[str, ...]:
     """The kinds that take the request field ``field`` (``rank``, ``tol``, ``max_iterations``,
     ``allow_unconverged``, ``samples``)."""
     return tuple(s.name for s in _SPECS if field in s.fields)
+
+
+def applied_product(spec: KindSpec, curvature: str | None = None) -> str:
+    """The product kind whose products ``spec``'s algorithm runs: its ``applies``, or for ``"curvature"`` the product
+    of the request's ``curvature`` field (default ``"hessian"``); "" for a kind with none (``svd``)."""
+    if spec.applies == "curvature":
+        return CURVATURES[curvature or "hessian"]
+    return spec.applies
+
+
+def multiplies(spec: KindSpec, curvature: str | None = None) -> KindSpec:
+    """The spec of the matrix ``spec`` multiplies by or analyses: its applied product's (``hvp``: the Hessian, scalar
+    ``of``; ``ggn_vp``: a loss' curvature), itself when it has none."""
+    product = applied_product(spec, curvature)
+    return KINDS[product] if product else spec
 
 
 def several_wrt(wrt: object) -> bool:

@@ -31,7 +31,7 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from contracts.settings import get_settings
-    from jacobian.cli_matfree import load_seeds
+    from jacobian.cli_matfree import kind_options, load_seeds
     from jacobian.cli_sparse import parse_sparsity
     from jacobian.progress import RowProgress
     from worker.engine import EngineError
@@ -44,9 +44,8 @@ def cmd_compute(args: argparse.Namespace) -> int:
     wrt = args.wrt[0] if args.wrt and len(args.wrt) == 1 else args.wrt
     options = {"of": args.of, "wrt": wrt, "kind": args.kind, "mode": args.mode, "reduce": args.reduce,
                "check_independence": args.check_independence, "output_dtype": args.output_dtype,
-               "precision": args.precision, "chunk_rows": args.chunk_rows, "rank": args.rank, "tol": args.tol,
-               "samples": args.samples, "sparsity": parse_sparsity(args.sparsity),
-               "max_iterations": args.max_iterations, "allow_unconverged": args.allow_unconverged}
+               "precision": args.precision, "chunk_rows": args.chunk_rows, **kind_options(args),
+               "sparsity": parse_sparsity(args.sparsity)}
     try:
         job = local_job(options, model_path=str(Path(args.model).expanduser().resolve()), signature=args.signature,
                         out=args.out, job_id=job_id, inputs_path=args.input)

@@ -1,10 +1,12 @@
-"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp`` (products of ``seeds``), ``svd``, ``hessian_eig``
-and ``hessian_trace`` (spectra) computed by ``worker.engine.matfree``/``spectra`` without forming the matrix,
-written as arrays of the job's result group (``{job}/result.zarr``) with ``dimension_names``, the group sealed
-and ``manifest.json`` written last, as for the dense kinds (``worker.pipeline``).
+"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp``, ``ggn_vp``, ``fisher_vp`` (products of ``seeds``),
+``svd``, ``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace`` (spectra) and ``ihvp`` (solves) computed by
+``worker.engine.matfree``/``spectra``/``solve`` without forming the matrix, written as arrays of the job's result
+group (``{job}/result.zarr``) with ``dimension_names``, the group sealed and ``manifest.json`` written last, as for
+the dense kinds (``worker.pipeline``).
 
 Arrays (DESIGN.md, "Storage"): ``products`` ``(seed,) + of`` (jvp) or ``(seed,) + wrt``; ``S (k,)``, ``U (k,) +
-of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d). The
+of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d);
+``solutions (seed,) + wrt``, ``residuals (seed,)``, ``iterations (seed,)`` (ihvp). The
 ``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt`` axis for several (``wrt_slices`` in the
 group's attributes says where each lies). Products are written block by block with commit markers (a retried
 job computes only the blocks not committed); the spectra start over when retried.
@@ -23,7 +25,7 @@ import numpy as np
 
 from contracts import storage
 from contracts.jobspec import MATRIX_FREE_KINDS
-from contracts.kinds import KINDS, Family, kind_spec
+from contracts.kinds import FIELD_HELP, KINDS, Family, kind_spec
 from contracts.layout import MAIN_ARRAYS, RESULT_GROUP, array_dimension_names, job_url
 from contracts.records import iso_time
 from worker import result_group
@@ -57,6 +59,10 @@ class MatFreeRun:
     rank: int | None = None
     tol: float | None = None
     samples: int | None = None
+    loss: str | None = None
+    labels: str | None = None
+    damping: float | None = None
+    curvature: str | None = None
     max_iterations: int | None = None
     allow_unconverged: bool = False
     chunk_size: int | None = None
@@ -92,11 +98,13 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
         if run.seeds is None:
             raise _missing("seeds", kind)
         result, stored = _products(op, kind, run)
-    else:   # a spectrum: the kind's own fields (rank, tol; samples), the required ones given
+    else:   # a spectrum or a solve: the kind's own fields (rank, tol; samples; damping, ...), the required ones given
         storage.delete_prefix(group_url)
         stored = {}
         args = {f: _required(getattr(run, f), f, kind) if f in spec.required else getattr(run, f)
                 for f in spec.fields}
+        if spec.seeds is not None:
+            args["seeds"] = _required(run.seeds, "seeds", kind)
         result = spectra.spectral(op, kind, **args, chunk_size=chunk_size, progress=on_progress,
                                   should_stop=should_stop)
         _write_small(group_url, op, kind, result, dims)
@@ -210,12 +218,12 @@ def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str
     if "stderr" in result.arrays:  # the trace's standard error, for readers of the trace array alone
         attrs["stderr_value"] = float(np.asarray(result.arrays["stderr"]))
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
+    words = kind_spec(kind)
     for name, value in result.arrays.items():
         data = np.asarray(value)
-        if name in ("V", "eigenvectors") and data.ndim == 2 and len(dims[name]) != 2:
-            data = data.reshape((data.shape[0],) + tuple(op.axis.shape))
-        if name == "U" and data.ndim == 2 and len(dims[name]) != 2:
-            data = data.reshape((data.shape[0],) + tuple(op.of_shape))
+        along = words.dims_of(name)[-1:] if name in words.arrays else ()
+        if along in (("wrt",), ("of",)) and data.ndim == 2 and len(dims[name]) != 2:   # flat vectors in their shapes
+            data = data.reshape((data.shape[0],) + tuple(op.axis.shape if along == ("wrt",) else op.of_shape))
         names = dims.get(name) or [f"{name}_{i}" for i in range(data.ndim)]
         if len(names) != data.ndim:
             names = [f"{name}_{i}" for i in range(data.ndim)]
@@ -228,17 +236,18 @@ def _attrs(op: Any, kind: str) -> dict[str, Any]:
     return jsonable({**op.attrs(), "kind": kind})
 
 
-def _required(value: int | None, field: str, kind: str) -> int:
+def _required(value: Any, field: str, kind: str) -> Any:
     if value is None:
         raise _missing(field, kind)
-    return int(value)
+    return value
 
 
 def _missing(field: str, kind: str) -> Exception:
     from worker.engine.errors import InvalidRequest
 
     what = {"seeds": "the vectors to multiply, shape (k,) + wrt.shape (jvp, hvp) or (k,) + of.shape (vjp)",
-            "rank": "how many singular values or eigenpairs, e.g. 5"}.get(field, "see the kind's fields")
+            "rank": "how many singular values or eigenpairs, e.g. 5"}.get(field) \
+        or FIELD_HELP.get(field, "see its docs")
     return InvalidRequest(f"{field}: kind {kind!r} needs {field}: {what}", field=field)
 
 

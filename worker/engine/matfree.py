@@ -111,6 +111,7 @@ class Operator:
         self.on_choice: Callable[[], None] | None = None   # told when a label is chosen (to keep it)
         self.trace_dir: str | None = None     # the cache folder: traced functions kept for later processes
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
+        self.middles: dict[str, Callable[[np.ndarray], np.ndarray]] = {}   # J^T M J kinds: M (``curvature.middles``)
         self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
         # Planning chunks of seeds from memory (``plan_memory``): the probe, the budget, what was planned.
@@ -159,6 +160,12 @@ class Operator:
         """``H v`` (Hessian of ``sum(of)``) for ``(k, n_wrt)`` (or ``(k,) + wrt.shape``): ``(k, n_wrt)``."""
         self.require_hessian("hvp")
         return self.apply("hvp", self._seeds("hvp", seeds), **options).astype(self.dtype)
+
+    def curvature_vp(self, kind: str, seeds: Any, **options: Any) -> np.ndarray:
+        """``J^T M J v`` of a curvature product ``kind`` (its ``middles`` entry) for ``(k, n_wrt)`` seeds."""
+        if kind not in self.middles:
+            raise InvalidRequest(f"loss: kind {kind!r} needs a loss (and its labels) on of", field="loss")
+        return self.apply(kind, self._seeds(kind, seeds), **options).astype(self.dtype)
 
     def _seeds(self, kind: str, seeds: Any) -> np.ndarray:
         """Seeds checked (``matfree_rules.check_seeds``, finite) and flattened to ``(k, size)``."""
@@ -209,7 +216,7 @@ class Operator:
                 out = np.empty((total,) + rows.shape[1:], rows.dtype)
             if keep:
                 out[start:start + n] = rows
-            self.counts[kind] += n
+            self.counts[kind] = self.counts.get(kind, 0) + n
             if on_chunk is not None:
                 on_chunk(start, rows)
             start += n
@@ -230,6 +237,10 @@ class Operator:
         return rows
 
     def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
+        if kind in self.middles:   # J^T M J: a JVP, M on the host, a VJP
+            from worker.engine.curvature import sandwich
+
+            return sandwich(self, self.middles[kind], seeds)
         label = self.labels.get(kind)
         if label is None:
             return self._choose(kind, seeds)
@@ -399,7 +410,8 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
     ``(k,) + wrt.shape`` otherwise (``WrtAxis.shape``). ``on_chunk(start, rows)`` gets each chunk's rows in that
     layout and dtype as they come (for storage), then ``progress(seeds done, k)`` is called."""
     if kind not in PRODUCT_KINDS:
-        raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
+        raise InvalidRequest(f"kind: {kind!r} is not a product kind; use one of {', '.join(PRODUCT_KINDS)}",
+                             field="kind")
     k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)
     along_of = kind_spec(kind).product_axes == "of"
@@ -412,9 +424,11 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
             progress(start + len(rows), k)
 
     streamed = on_chunk is not None   # the caller keeps the chunks: none are held here
-    product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk,
-                                keep=not streamed)
+    method = functools.partial(op.curvature_vp, kind) if kind_spec(kind).curvature else getattr(op, kind)
+    product = method(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk, keep=not streamed)
     arrays = {} if streamed else {"products": product if along_of else op.axis.unflatten(product)}
-    return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays=arrays,
-                         products={n: op.counts[n] - before[n] for n in op.counts}, iterations=1,
+    how = op.labels.get(kind, "") if not kind_spec(kind).curvature else f"J^T M J: {op.labels.get('jvp')} JVPs, " \
+        f"{op.labels.get('vjp')} VJPs"
+    return MatFreeResult(kind=kind, method=how, arrays=arrays,
+                         products={n: op.counts[n] - before.get(n, 0) for n in op.counts}, iterations=1,
                          attrs={"seeds": k})

@@ -44,7 +44,7 @@ def check_rank(kind: str, rank: object, *, of_size: int, wrt_size: int) -> int:
     ``wrt``'s size): the number of singular values or eigenpairs asked for. The kind's spec says which: the
     Hessian of a kind that differentiates twice is ``wrt`` by ``wrt``."""
     spec = kind_spec(kind)
-    square = spec.scalar_of
+    square = spec.scalar_of or bool(spec.applies)   # H, or a matrix of HVP-like products (G): wrt by wrt
     largest = wrt_size if square else min(of_size, wrt_size)
     what = (f"the size of wrt ({wrt_size})" if square
             else "min(size of of, size of wrt) = " f"min({of_size}, {wrt_size})")

@@ -54,11 +54,18 @@ from typing import Any
 
 import numpy as np
 
-from contracts.kinds import kind_spec
+from contracts.kinds import applied_product, kind_spec
 from worker.engine import matfree_rules, trace_cache
-from worker.engine.errors import NotConverged, Stopped
+from worker.engine.convergence import converged as _converged
+from worker.engine.convergence import not_converged as _not_converged
+from worker.engine.convergence import relative as _relative
+from worker.engine.convergence import stalled as _stalled
+from worker.engine.convergence import unconverged_attrs as _unconverged_attrs
+from worker.engine.convergence import worst as _worst
+from worker.engine.errors import Stopped
 from worker.engine.matfree import MatFreeResult, Operator
 from worker.engine.problem import _ruled
+from worker.engine.solve import conjugate_gradients
 
 Progress = Callable[[int, int | None], None]
 StopCheck = Callable[[], bool]
@@ -87,21 +94,7 @@ class _Run:
 
     @property
     def products(self) -> dict[str, int]:
-        return {k: self.op.counts[k] - self.before[k] for k in self.op.counts}
-
-
-def _converged(values: np.ndarray, residuals: np.ndarray, tol: float, dtype: str) -> bool:
-    """The stopping rule of ``svd`` and ``hessian_eig`` (module docstring): absolute ``residuals``."""
-    scale = np.abs(values)
-    floor = 100 * float(np.finfo(dtype).eps) * (float(scale.max()) if scale.size else 0.0)
-    return bool(np.all(residuals <= np.maximum(tol * scale, floor)))
-
-
-def _relative(residuals: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``residuals / |values|``, a zero value's residual measured against the largest value instead."""
-    scale = np.abs(values).astype(np.float64)
-    floor = float(scale.max()) if scale.size and scale.max() > 0 else 1.0
-    return residuals / np.where(scale > 0, scale, floor)
+        return {k: self.op.counts[k] - self.before.get(k, 0) for k in self.op.counts}
 
 
 def _signed(vectors: np.ndarray) -> np.ndarray:
@@ -180,15 +173,17 @@ def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | 
 
 def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iterations: int | None = None,
                 allow_unconverged: bool = False, seed: int = 0, progress: Progress | None = None,
-                should_stop: StopCheck | None = None, chunk_size: int | None = None) -> MatFreeResult:
+                should_stop: StopCheck | None = None, chunk_size: int | None = None, product: str = "hvp",
+                kind: str = "hessian_eig") -> MatFreeResult:
     """The ``rank`` eigenpairs of H (of ``sum(of)`` w.r.t. the wrt axis) of largest magnitude: ``eigenvalues
-    (rank,)`` by decreasing magnitude, ``eigenvectors (rank, n_wrt)``; residuals ``||H v - l v||``. Raises
-    ``NotConverged`` when ``tol`` does not hold within ``max_iterations`` Lanczos steps (default
+    (rank,)`` by decreasing magnitude, ``eigenvectors (rank, n_wrt)``; residuals ``||H v - l v||``. ``product``:
+    the symmetric matrix's products (``hvp``; ``ggn_vp``, the Gauss-Newton matrix, for ``kind`` ``ggn_eig``).
+    Raises ``NotConverged`` when ``tol`` does not hold within ``max_iterations`` Lanczos steps (default
     ``max(20 rank, 100)``; the Krylov space grows by one vector a step, up to ``n_wrt``, where it is exact),
     unless ``allow_unconverged``."""
-    op.require_hessian("hessian_eig")
+    _require(op, product, kind)
     n = op.n_wrt
-    rank = _ruled(matfree_rules.check_rank, "hessian_eig", rank, of_size=op.n_of, wrt_size=n)
+    rank = _ruled(matfree_rules.check_rank, kind, rank, of_size=op.n_of, wrt_size=n)
     tol = _ruled(matfree_rules.check_tol, tol)
     limit = _ruled(matfree_rules.check_max_iterations, max_iterations, default=max(20 * rank, 100))
     run = _Run(op, chunk_size, progress, should_stop)
@@ -202,7 +197,7 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iterat
     theta, ritz = np.zeros(0), np.zeros((0, 0))
     while j < steps:
         run.stop_point()
-        w = run.apply("hvp", basis[j:j + 1])[0]
+        w = run.apply(product, basis[j:j + 1])[0]
         alpha[j] = np.einsum("i,i", w, basis[j])
         for _ in range(2):   # full reorthogonalisation against every basis vector, twice
             w -= basis[:j + 1].T @ (basis[:j + 1] @ w)
@@ -232,64 +227,24 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iterat
     if theta.size < rank:   # max_iter below rank: the Ritz pairs there are
         theta, ritz = _ritz(alpha[:j], beta[:j - 1], min(rank, j))
     vectors = _signed((basis[:j].T @ ritz).T)
-    hv = run.apply("hvp", vectors)
+    hv = run.apply(product, vectors)
     residuals = np.linalg.norm(hv - vectors * theta[:, None], axis=1)
     if not converged and not allow_unconverged:
-        raise _not_converged("hessian_eig", _relative(residuals, theta), tol=tol, rank=rank, limit=limit,
+        raise _not_converged(kind, _relative(residuals, theta), tol=tol, rank=rank, limit=limit,
                              how=f"Lanczos, {j} steps")
     dtype = op.dtype
     return MatFreeResult(
-        kind="hessian_eig", method="lanczos, full reorthogonalisation", iterations=j, residuals=residuals,
+        kind=kind, method="lanczos, full reorthogonalisation", iterations=j, residuals=residuals,
         converged=converged, products=run.products,
         arrays={"eigenvalues": theta.astype(dtype), "eigenvectors": vectors.astype(dtype)},
         attrs={"rank": rank, "tol": tol, "seed": seed, "max_iterations": limit, "max_iter": steps,
                "residual": "||H v - l v||", **_unconverged_attrs(converged, _relative(residuals, theta), tol)})
 
 
-def _worst(values: np.ndarray, residuals: np.ndarray, tol: float, dtype: str) -> float:
-    """The largest ratio of a residual to what ``_converged`` allows it (below 1 for every value: converged)."""
-    scale = np.abs(values)
-    floor = 100 * float(np.finfo(dtype).eps) * (float(scale.max()) if scale.size else 0.0)
-    allowed = np.maximum(tol * scale, floor)
-    return float(np.max(residuals / np.where(allowed > 0, allowed, np.finfo(np.float64).tiny)))
-
-
-def _stalled(history: list[float], left: int, window: int = 4) -> bool:
-    """Whether the residual ratios of the last ``window`` iterations shrink too slowly to reach 1 within half of
-    the ``left`` iterations (or do not shrink): then the block is widened."""
-    if len(history) <= window:
-        return False
-    now, before = history[-1], history[-1 - window]
-    if not (np.isfinite(now) and np.isfinite(before)) or before <= 0:
-        return False
-    rate = (now / before) ** (1.0 / window)
-    if rate >= 1.0:
-        return True
-    return math.log(now) / -math.log(rate) > left / 2
-
-
-def _not_converged(kind: str, relative: np.ndarray, *, tol: float, rank: int, limit: int, how: str) -> NotConverged:
-    """The ``NotConverged`` of a spectrum: its relative residuals against ``tol`` and the three ways out."""
-    relative = np.asarray(relative, np.float64)
-    shown = ", ".join(f"{r:.2g}" for r in relative)
-    worst = float(relative.max()) if relative.size else float("inf")
-    loose = f"{min(0.49, worst * 1.5):.1g}" if np.isfinite(worst) else "larger"
-    counted = kind_spec(kind).spectrum.counted if kind_spec(kind).spectrum else "values"
-    return NotConverged(
-        f"{kind}: not converged within {limit} iterations ({how}): relative residuals [{shown}] of the {rank} "
-        f"{counted} against tol {tol:g}; raise max_iterations (now {limit}), loosen tol (now {tol:g}; these "
-        f"residuals meet {loose}) or ask for a smaller rank (now {rank}); or set allow_unconverged: true to keep "
-        "this result, marked unconverged", residuals=[float(r) for r in relative])
-
-
-def _unconverged_attrs(converged: bool, relative: np.ndarray, tol: float) -> dict[str, Any]:
-    """What an unconverged result allowed by ``allow_unconverged`` says of itself (nothing when converged)."""
-    if converged:
-        return {}
-    worst = float(np.max(relative)) if np.size(relative) else float("nan")
-    return {"allow_unconverged": True,
-            "warning": f"not converged: the largest relative residual is {worst:.2g}, above tol {tol:g} "
-                       "(kept because allow_unconverged was set)"}
+def _require(op: Operator, product: str, kind: str) -> None:
+    """The rule of the matrix ``product`` applies: the Hessian's scalar ``of`` (or ``reduce='sum'``)."""
+    if kind_spec(product).scalar_of:
+        op.require_hessian(kind)
 
 
 def _norm(v: np.ndarray) -> float:
@@ -321,11 +276,13 @@ def _ritz(alpha: np.ndarray, beta: np.ndarray, rank: int) -> tuple[np.ndarray, n
 
 def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "auto", seed: int = 0,
                   chunk_size: int | None = None, progress: Progress | None = None,
-                  should_stop: StopCheck | None = None) -> MatFreeResult:
+                  should_stop: StopCheck | None = None, product: str = "hvp",
+                  kind: str = "hessian_trace") -> MatFreeResult:
     """tr(H) (of ``sum(of)`` w.r.t. the wrt axis) from ``samples`` HVPs: ``trace`` and its ``stderr`` (0-d).
     ``method``: ``auto`` (``exact`` when ``samples >= n_wrt``; else from 6 samples the Hutch++ products, and
-    the better of their two estimates; else ``hutchinson``), ``hutch++``, ``hutchinson`` or ``exact``."""
-    op.require_hessian("hessian_trace")
+    the better of their two estimates; else ``hutchinson``), ``hutch++``, ``hutchinson`` or ``exact``.
+    ``product``: the symmetric matrix's products (``hvp``; ``ggn_vp`` for ``kind`` ``ggn_trace``)."""
+    _require(op, product, kind)
     samples = _ruled(matfree_rules.check_samples, samples, method=method)
     n = op.n_wrt
     requested = method
@@ -344,7 +301,7 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
         def chunk(start: int, rows: np.ndarray) -> None:
             run.report(base + start + len(rows), total)
 
-        out = run.apply("hvp", seeds, on_chunk=chunk)
+        out = run.apply(product, seeds, on_chunk=chunk)
         done += len(seeds)
         return out
 
@@ -385,7 +342,7 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
     trace, stderr = estimates[method]["trace"], estimates[method]["stderr"]
     dtype = op.dtype
     return MatFreeResult(
-        kind="hessian_trace", method=method, iterations=done, converged=True, products=run.products,
+        kind=kind, method=method, iterations=done, converged=True, products=run.products,
         arrays={"trace": np.asarray(trace, dtype), "stderr": np.asarray(stderr, dtype)},
         attrs={"samples": samples, "seed": seed, "requested_method": requested, "estimates": estimates})
 
@@ -397,12 +354,19 @@ def _mean(samples: np.ndarray) -> dict[str, float]:
 
 
 def spectral(op: Operator, kind: str, **options: Any) -> MatFreeResult:
-    """Kind ``svd``, ``hessian_eig`` or ``hessian_trace`` by its spec's ``Spectrum.algorithm`` (``options`` as
-    each function takes them)."""
-    spectrum = kind_spec(kind).spectrum
-    if spectrum is None:
+    """A spectral kind (``svd``, ``hessian_eig``, ``ggn_trace``, ``ihvp``, ...) by its spec's ``Spectrum.algorithm``
+    on the products its spec applies (``contracts.kinds.applied_product``: ``hvp``, ``ggn_vp``, or the request's
+    ``curvature``); ``options`` as each function takes them (``loss`` is the operator's, set by its caller)."""
+    spec = kind_spec(kind)
+    if spec.spectrum is None:
         raise KeyError(kind)
-    return ALGORITHMS[spectrum.algorithm](op, **options)
+    options.pop("loss", None)
+    product = applied_product(spec, options.pop("curvature", None))
+    if product:
+        options.update(product=product, kind=kind)
+    return ALGORITHMS[spec.spectrum.algorithm](op, **options)
 
 
-ALGORITHMS = {"subspace_iteration": svd, "lanczos": hessian_eig, "trace_estimate": hessian_trace}
+ALGORITHMS: dict[str, Callable[..., MatFreeResult]] = {"subspace_iteration": svd, "lanczos": hessian_eig,
+                                                        "trace_estimate": hessian_trace,
+                                                        "conjugate_gradients": conjugate_gradients}
