@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,7 @@ from contracts.kinds import kind_spec
 from worker.engine import matfree_rules, pfor_patches, trace_cache
 from worker.engine.chunk_run import Adjoint, agrees
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
+from worker.engine.matfree_result import MatFreeResult
 from worker.engine.memory import is_out_of_memory
 from worker.engine.model import LoadedModel
 from worker.engine.problem import _convert_inputs, _described, _probe_shape, _ruled, error_summary
@@ -69,31 +70,6 @@ class ProductKey:
     reduce: str | None
     dtype: str
     inputs: tuple[tuple[str, str], ...]
-
-
-@dataclass
-class MatFreeResult:
-    """What a matrix-free kind produced: ``arrays`` by storage name (``products``; ``S``, ``U``, ``V``;
-    ``eigenvalues``, ``eigenvectors``; ``trace``, ``stderr``) and how: ``method``, ``iterations``,
-    ``residuals`` (or None), ``products`` (counts by kind, and ``checks``), ``converged``, and ``attrs``
-    (JSON: tolerances, sizes, what the residuals measure)."""
-
-    kind: str
-    method: str
-    arrays: dict[str, np.ndarray]
-    products: dict[str, int]
-    iterations: int = 0
-    residuals: np.ndarray | None = None
-    converged: bool = True
-    attrs: dict[str, Any] = field(default_factory=dict)
-
-    def attributes(self) -> dict[str, Any]:
-        """JSON attributes for the result group."""
-        out = {"kind": self.kind, "method": self.method, "iterations": self.iterations, "products": self.products,
-               "converged": self.converged, **self.attrs}
-        if self.residuals is not None:
-            out["residuals"] = [float(r) for r in np.asarray(self.residuals, np.float64)]
-        return out
 
 
 class Operator:
