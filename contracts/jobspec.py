@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contracts.kinds import KINDS, Family, kind_spec, kinds_taking, kinds_where, no_batch_axis_variable
+from contracts import estimators
+from contracts.kinds import KIND_FIELDS, KINDS, Family, kind_spec, kinds_taking, kinds_where, no_batch_axis_variable
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
                     "uint8", "uint16", "uint32", "uint64", "bool")
@@ -32,6 +33,9 @@ class Kind(str, Enum):
     svd = "svd"
     hessian_eig = "hessian_eig"
     hessian_trace = "hessian_trace"
+    hessian_diag = "hessian_diag"
+    spectral_density = "spectral_density"
+    logdet = "logdet"
 
     @property
     def matrix_free(self) -> bool:
@@ -165,6 +169,18 @@ class JobOptions(BaseModel):
     tol: float | None = Field(None, gt=0, lt=0.5, description="svd, hessian_eig: relative accuracy (default 1e-4)")
     samples: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_trace: Hessian-vector products "
                                 "to spend (default 100; at least the wrt size gives the exact trace)")
+    probes: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_diag: Rademacher probes of "
+                               f"Hutchinson's estimate (default {estimators.DIAGONAL_PROBES}; the exact diagonal when "
+                               f"the wrt size is at most {estimators.EXACT_DIAGONAL_MAX} or probes >= it); "
+                               "spectral_density, logdet: start vectors of the Lanczos quadrature (default "
+                               f"{estimators.SLQ_PROBES}; probes >= the wrt size: its unit vectors, no sampling error)")
+    steps: int | None = Field(None, ge=1, le=estimators.MAX_STEPS, description="spectral_density, logdet: Lanczos "
+                              f"steps per probe (default {estimators.SLQ_STEPS}; at most the wrt size are taken)")
+    sigma: float | None = Field(None, gt=0, allow_inf_nan=False, description="spectral_density: the width of the "
+                                "Gaussian that smooths the density (eigenvalue units; default "
+                                f"{estimators.SIGMA_FRACTION:g} x the range of the Ritz values)")
+    damping: float | None = Field(None, allow_inf_nan=False, description="logdet: log det(H + damping I) (default "
+                                  "0); the job fails naming damping when H + damping I is not positive definite")
     precision: Literal["highest", "tf32"] = Field(
         "highest", description="'highest': full float32 matmuls and convolutions on the GPU (TensorFloat-32 off, "
         "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
@@ -209,7 +225,7 @@ class JobOptions(BaseModel):
             variables = [n for n in named if n.startswith("variables/")]
             if variables:
                 raise ValueError(no_batch_axis_variable(spec.name, variables[0]))
-        for name in ("rank", "tol", "samples"):
+        for name in KIND_FIELDS:
             kinds = kinds_taking(name)
             if getattr(self, name) is not None and self.kind.value not in kinds:
                 raise ValueError(f"{name}: only for kind {' or '.join(repr(k) for k in kinds)}; remove it")

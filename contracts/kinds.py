@@ -26,7 +26,8 @@ class Spectrum:
     it. ``counted``: what ``rank`` counts, in messages ("" when the kind takes no rank). For ``preview.png``:
     ``title`` (with ``{of}`` and ``{wrt}``), ``value`` (one value's name: the y label, or the symbol of a 0-d
     value), ``order`` (the x label), ``residual`` (the footer: what the residuals measure) and ``log_scale``
-    (a log axis when the values are positive and span decades)."""
+    (a log axis when the values are positive and span decades). ``operator``: the product kind whose matrix the
+    estimating algorithms (``diagonal``, ``slq_density``, ``slq_logdet``) apply, ``hvp`` for the Hessian."""
 
     algorithm: str
     title: str
@@ -35,6 +36,7 @@ class Spectrum:
     order: str = ""
     residual: str = ""
     log_scale: bool = False
+    operator: str = "hvp"
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,10 @@ class KindSpec:
     resumes from (``"blocks"``: storage blocks of rows or seeds; None: no shards / starts over);
     ``sparse_unit``: the same for the ``sparsity`` route (``"colours"``: storage blocks of the compressed
     products, one row a colour; a pattern that does not pay falls back to ``shards``). ``preview``: how
-    ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``), with ``symbol`` and ``product_axes``
-    (the tensor a product row is shaped like) for the products. ``routes``: the modes a product kind can be
-    computed by (``"forward"``: forward mode, tried first where it applies; ``"reverse"``). ``spectrum``: a
-    spectral kind's method and words (``Spectrum``).
+    ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``; ``density``: a curve over its grid), with
+    ``symbol`` and ``product_axes`` (the tensor a product row is shaped like) for the products. ``routes``: the
+    modes a product kind can be computed by (``"forward"``: forward mode, tried first where it applies;
+    ``"reverse"``). ``spectrum``: a spectral kind's method and words (``Spectrum``).
     """
 
     name: str
@@ -105,6 +107,10 @@ _SVD = Spectrum("subspace_iteration", "Singular values of ∂{of}/∂{wrt}", "si
 _EIG = Spectrum("lanczos", "Eigenvalues of the Hessian of {of} w.r.t. {wrt}", "eigenvalue", counted="eigenpairs",
                 order="k (largest magnitude first)", residual="residual ||H v - λ v||")
 _TRACE = Spectrum("trace_estimate", "Trace of the Hessian of {of} w.r.t. {wrt}", "tr(H)")
+_DIAG = Spectrum("diagonal", "Diagonal of the Hessian of {of} w.r.t. {wrt}", "H_ii", order="i (flat wrt index)")
+_DENSITY = Spectrum("slq_density", "Spectral density of the Hessian of {of} w.r.t. {wrt}", "density",
+                    order="eigenvalue")
+_LOGDET = Spectrum("slq_logdet", "log det(H + damping·I) of {of} w.r.t. {wrt}", "log det")
 
 _SPECS = (
     KindSpec("jacobian", Family.dense, ("jacobian",), (("of", "wrt"),), "d of / d wrt, shape of.shape + wrt.shape",
@@ -129,10 +135,20 @@ _SPECS = (
     KindSpec("hessian_trace", Family.spectral, ("trace", "stderr"), ((), ()),
              "tr(H) by Hutch++/Hutchinson with its stderr", scalar_of=True, fields=("samples",), shards=None,
              resume=None, preview="spectrum", spectrum=_TRACE),
+    KindSpec("hessian_diag", Family.spectral, ("diagonal", "stderr"), (("wrt",), ("wrt",)),
+             "diag(H): exact by unit-vector HVPs, else Hutchinson's estimate with a per-entry stderr",
+             scalar_of=True, fields=("probes",), shards=None, resume=None, preview="spectrum", spectrum=_DIAG),
+    KindSpec("spectral_density", Family.spectral, ("density", "grid", "nodes", "weights"),
+             (("grid",), ("grid",), ("probe", "step"), ("probe", "step")),
+             "the eigenvalue density of H by stochastic Lanczos quadrature", scalar_of=True,
+             fields=("probes", "steps", "sigma"), shards=None, resume=None, preview="density", spectrum=_DENSITY),
+    KindSpec("logdet", Family.spectral, ("logdet", "stderr"), ((), ()),
+             "log det(H + damping I) by stochastic Lanczos quadrature with its stderr", scalar_of=True,
+             fields=("probes", "steps", "damping"), shards=None, resume=None, preview="spectrum", spectrum=_LOGDET),
 )
 
 KINDS: dict[str, KindSpec] = {s.name: s for s in _SPECS}
-KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # rank, samples, tol
+KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # damping, probes, rank, samples, sigma, ...
 
 
 def kind_spec(name: str) -> KindSpec:
@@ -151,7 +167,7 @@ def kinds_where(**wanted: object) -> tuple[str, ...]:
 
 
 def kinds_taking(field: str) -> tuple[str, ...]:
-    """The kinds that take the request field ``field`` (``rank``, ``tol``, ``samples``)."""
+    """The kinds that take the request field ``field`` (``rank``, ``tol``, ``samples``, ``probes``, ...)."""
     return tuple(s.name for s in _SPECS if field in s.fields)
 
 

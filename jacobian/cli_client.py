@@ -55,6 +55,7 @@ def _show_record(progress: Any, record: dict[str, Any]) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Post the .npz as the body (options as query parameters); print the id; ``--wait`` shows progress."""
+    from jacobian.cli_matfree import kind_fields
     from jacobian.client import JacobianError, JobFailed
 
     path = Path(args.input)
@@ -72,7 +73,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                "memory_budget_bytes": args.memory_budget, "reduce": args.reduce,
                "check_independence": True if args.check_independence else None,
                "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards,
-               "precision": args.precision, "rank": args.rank, "tol": args.tol, "samples": args.samples,
+               "precision": args.precision, **kind_fields(args),
                "sparsity": sparsity_option(args.sparsity), "timeout_s": args.job_timeout}
     with _client(args) as client:
         if args.dry_run:

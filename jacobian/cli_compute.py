@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from contracts.kinds import KIND_FIELDS
 from contracts.kinds import KINDS as REGISTERED
 from jacobian.cli_matfree import add_arguments as add_matfree_arguments
 from jacobian.cli_sparse import add_arguments as add_sparse_arguments
@@ -30,7 +31,7 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from contracts.settings import get_settings
-    from jacobian.cli_matfree import load_seeds
+    from jacobian.cli_matfree import kind_fields, load_seeds
     from jacobian.cli_sparse import parse_sparsity
     from jacobian.progress import RowProgress
     from worker.engine import EngineError
@@ -43,8 +44,8 @@ def cmd_compute(args: argparse.Namespace) -> int:
     wrt = args.wrt[0] if args.wrt and len(args.wrt) == 1 else args.wrt
     options = {"of": args.of, "wrt": wrt, "kind": args.kind, "mode": args.mode, "reduce": args.reduce,
                "check_independence": args.check_independence, "output_dtype": args.output_dtype,
-               "precision": args.precision, "chunk_rows": args.chunk_rows, "rank": args.rank, "tol": args.tol,
-               "samples": args.samples, "sparsity": parse_sparsity(args.sparsity)}
+               "precision": args.precision, "chunk_rows": args.chunk_rows, **kind_fields(args),
+               "sparsity": parse_sparsity(args.sparsity)}
     try:
         job = local_job(options, model_path=str(Path(args.model).expanduser().resolve()), signature=args.signature,
                         out=args.out, job_id=job_id, inputs_path=args.input)
@@ -97,7 +98,7 @@ def _dry_run(job: Any, args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-FLAGS = ("wrt", "of", "rank", "tol", "samples", "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
+FLAGS = ("wrt", "of", *KIND_FIELDS, "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
          "memory_budget_bytes", "chunk_rows", "inputs")
 
 

@@ -16,14 +16,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from contracts import storage
 from contracts.jobspec import MATRIX_FREE_KINDS
-from contracts.kinds import KINDS, Family, kind_spec
+from contracts.kinds import KIND_FIELDS, KINDS, Family, kind_spec
 from contracts.layout import MAIN_ARRAYS, RESULT_GROUP, array_dimension_names, job_url
 from contracts.records import iso_time
 from worker import result_group
@@ -45,17 +45,16 @@ def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
 
 @dataclass
 class MatFreeRun:
-    """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``, ``rank``, ``tol``,
-    ``samples``), ``chunk_size`` (None: planned from memory), ``on_progress(done, total)`` (seeds or iterations),
-    ``should_stop``, what the manifest adds, ``block_bytes`` (the products' storage blocks, default 32 MiB: the
-    unit a retried job resumes from) and, for a shard, its seeds ``rows`` written into the existing array."""
+    """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``; ``fields``: its own
+    request fields, ``rank``, ``tol``, ``samples``, ``probes``, ...), ``chunk_size`` (None: planned from memory),
+    ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds, ``block_bytes``
+    (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a shard, its
+    seeds ``rows`` written into the existing array."""
 
     results_url: str
     job_id: str
     seeds: np.ndarray | None = None
-    rank: int | None = None
-    tol: float | None = None
-    samples: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
     chunk_size: int | None = None
     on_progress: Callable[[int, int | None], None] | None = None
     should_stop: Callable[[], bool] | None = None
@@ -68,11 +67,12 @@ class MatFreeRun:
 
 def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: str, **options: Any) -> dict[str, Any]:
     """Run ``kind`` on ``op`` (``worker.engine.matfree.build_operator``) and store it; returns the manifest.
-    ``options``: the fields of ``MatFreeRun``. Raises ``EngineError`` (``Stopped`` on cancel, ``InvalidRequest``
-    naming ``seeds``, ``rank``, ``tol``, ``samples``)."""
+    ``options``: the fields of ``MatFreeRun``, and the kinds' request fields (``rank=5``: ``contracts.kinds.
+    KIND_FIELDS``). Raises ``EngineError`` (``Stopped`` on cancel, ``InvalidRequest`` naming the field at fault)."""
     from worker.engine import spectra
 
-    run = MatFreeRun(results_url=results_url, job_id=job_id, **options)
+    fields = {name: options.pop(name) for name in KIND_FIELDS if name in options}
+    run = MatFreeRun(results_url=results_url, job_id=job_id, fields=fields, **options)
     chunk_size = run.chunk_size
     on_progress, should_stop = run.on_progress, run.should_stop
     base = storage.normalize(job_url(results_url, job_id))
@@ -92,7 +92,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     else:   # a spectrum: the kind's own fields (rank, tol; samples), the required ones given
         storage.delete_prefix(group_url)
         stored = {}
-        args = {f: _required(getattr(run, f), f, kind) if f in spec.required else getattr(run, f)
+        args = {f: _required(run.fields.get(f), f, kind) if f in spec.required else run.fields.get(f)
                 for f in spec.fields}
         result = spectra.spectral(op, kind, **args, chunk_size=chunk_size, progress=on_progress,
                                   should_stop=should_stop)
@@ -196,25 +196,32 @@ def _runs(writer: Any, held_bytes: int) -> list[tuple[int, int]]:
 
 
 def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str, list[str]]) -> None:
-    """The spectra's arrays (at most ``rank`` vectors): written whole, vectors in the axes' shapes."""
+    """The spectra's arrays (a few vectors, a diagonal, a density): written whole, flat ``of`` and ``wrt`` axes in
+    their tensors' shapes (the kind's ``dims``)."""
     import zarr
 
     attrs = jsonable({**_attrs(op, kind), **result.attributes()})
-    if "stderr" in result.arrays:  # the trace's standard error, for readers of the trace array alone
-        attrs["stderr_value"] = float(np.asarray(result.arrays["stderr"]))
+    stderr = result.arrays.get("stderr")
+    if stderr is not None and np.ndim(stderr) == 0:  # a 0-d value's standard error, for readers of its array alone
+        attrs["stderr_value"] = float(np.asarray(stderr))
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
     for name, value in result.arrays.items():
-        data = np.asarray(value)
-        if name in ("V", "eigenvectors") and data.ndim == 2 and len(dims[name]) != 2:
-            data = data.reshape((data.shape[0],) + tuple(op.axis.shape))
-        if name == "U" and data.ndim == 2 and len(dims[name]) != 2:
-            data = data.reshape((data.shape[0],) + tuple(op.of_shape))
+        data = _shaped(np.asarray(value), kind_spec(kind).dims_of(name), op)
         names = dims.get(name) or [f"{name}_{i}" for i in range(data.ndim)]
         if len(names) != data.ndim:
             names = [f"{name}_{i}" for i in range(data.ndim)]
         array = group.create_array(name, shape=data.shape, dtype=data.dtype, fill_value=0, dimension_names=names,
                                    attributes=attrs)
         array[...] = data
+
+
+def _shaped(data: np.ndarray, words: tuple[str, ...], op: Any) -> np.ndarray:
+    """``data`` with its trailing flat ``of`` or ``wrt`` axis in that tensor's shape (``words``: the array's
+    ``KindSpec.dims``, the other axes leading, e.g. ``("k", "wrt")``)."""
+    tail = {"of": tuple(op.of_shape), "wrt": tuple(op.axis.shape)}
+    if not words or words[-1] not in tail or data.ndim != len(words):
+        return data
+    return data.reshape(data.shape[:-1] + tail[words[-1]])
 
 
 def _attrs(op: Any, kind: str) -> dict[str, Any]:

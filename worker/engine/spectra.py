@@ -1,6 +1,6 @@
-"""Spectra without the matrix: singular values of J, eigenpairs and the trace of H, from products alone.
+"""Spectra without the matrix: singular values of J; eigenpairs, trace, diagonal, density, log det of H; products only.
 
-All three take an ``Operator`` (``worker.engine.matfree``), run its batched products chunk by chunk
+All take an ``Operator`` (``worker.engine.matfree``), run its batched products chunk by chunk
 (``chunk_size`` seeds per call), keep their small dense algebra in float64 on the host, and return a
 ``MatFreeResult`` with the arrays in the operator's dtype, the residuals, the iterations and the
 products they used. ``progress(iteration, total or None)`` hears of each iteration (``hessian_trace``:
@@ -35,6 +35,8 @@ chunks, and raises ``Stopped``; ``seed`` makes the random start vectors, hence t
   plain samples win). Plain Hutchinson on request (or under 6 samples), and the exact trace (``n``
   products with unit vectors, standard error 0) when ``samples >= n_wrt``. ``attrs["estimates"]``
   holds every estimate computed.
+- ``hessian_diag``, ``spectral_density``, ``logdet``: ``worker.engine.estimators`` (diagonal, Lanczos quadrature)
+  on the batched products of the kind's ``Spectrum.operator`` (``hvp``: H; a GGN kind names its own product).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ from typing import Any
 
 import numpy as np
 
+from contracts.estimators import EXACT_DIAGONAL_MAX, exact_diagonal, quadrature_shape
 from contracts.kinds import kind_spec
-from worker.engine import matfree_rules
+from worker.engine import estimators, matfree_rules
 from worker.engine.errors import Stopped
 from worker.engine.matfree import MatFreeResult, Operator
 from worker.engine.problem import _ruled
@@ -309,13 +312,94 @@ def _mean(samples: np.ndarray) -> dict[str, float]:
     return {"trace": float(samples.mean()), "stderr": stderr}
 
 
+class _Estimating(_Run):
+    """A ``_Run`` whose matrix is a parameter: ``matvec`` applies the spec's ``Spectrum.operator`` (``hvp``: H)
+    to a block of vectors, counting products for the progress (``done`` of ``total``)."""
+
+    def __init__(self, op: Operator, kind: str, total: int, *, chunk_size: int | None = None,
+                 progress: Progress | None = None, should_stop: StopCheck | None = None) -> None:
+        super().__init__(op, chunk_size, progress, should_stop)
+        spectrum = kind_spec(kind).spectrum
+        self.product, self.total, self.done = spectrum.operator if spectrum else "hvp", total, 0
+        if kind_spec(kind).scalar_of:
+            op.require_hessian(kind)
+
+    def matvec(self, vectors: np.ndarray) -> np.ndarray:
+        base = self.done
+        out = self.apply(self.product, vectors, on_chunk=lambda start, rows: self.report(base + start + len(rows),
+                                                                                         self.total))
+        self.done += len(vectors)
+        return out
+
+    def result(self, kind: str, method: str, arrays: dict[str, np.ndarray], **attrs: Any) -> MatFreeResult:
+        self.report(self.done, self.done)   # all done (a quadrature's invariant subspaces end it early)
+        return MatFreeResult(kind=kind, method=method, iterations=self.done, converged=True, products=self.products,
+                             arrays={k: np.asarray(v).astype(self.op.dtype) for k, v in arrays.items()},
+                             attrs={"operator": self.product, **attrs})
+
+
+def hessian_diag(op: Operator, probes: int | None = None, *, kind: str = "hessian_diag", method: str = "auto",
+                 seed: int = 0, chunk_size: int | None = None, progress: Progress | None = None,
+                 should_stop: StopCheck | None = None) -> MatFreeResult:
+    """diag(H) (``worker.engine.estimators.diagonal``): ``diagonal`` and ``stderr`` ``(n_wrt,)``; ``method``
+    ``auto`` (exact for a small wrt or ``probes >= n_wrt``), ``exact`` or ``hutchinson``."""
+    probes = _ruled(matfree_rules.check_probes, probes, kind=kind)
+    n = op.n_wrt
+    exact = method == "exact" or (method == "auto" and exact_diagonal(probes, n))
+    run = _Estimating(op, kind, n if exact else probes, chunk_size=chunk_size, progress=progress,
+                      should_stop=should_stop)
+    got = estimators.diagonal(run.matvec, n, probes=probes, method="exact" if exact else "hutchinson", seed=seed)
+    return run.result(kind, got.method, {"diagonal": got.diagonal, "stderr": got.stderr}, probes=probes,
+                      seed=seed, requested_method=method, exact_max_wrt=EXACT_DIAGONAL_MAX)
+
+
+def _quadrature(op: Operator, kind: str, probes: int | None, steps: int | None, seed: int,
+                run_options: dict[str, Any]) -> tuple[_Estimating, Any, dict[str, Any]]:
+    """Lanczos quadrature of the kind's operator (``estimators.lanczos_quadrature``): the run, the quadrature
+    and the attributes every quadrature kind records."""
+    probes = _ruled(matfree_rules.check_probes, probes, kind=kind)
+    steps = _ruled(matfree_rules.check_steps, steps, n=op.n_wrt)
+    used = quadrature_shape(probes, steps, op.n_wrt)
+    run = _Estimating(op, kind, used[0] * used[1], **run_options)
+    eps = 100 * float(np.finfo(op.compute_dtype).eps)
+    q = estimators.lanczos_quadrature(run.matvec, op.n_wrt, probes=probes, steps=steps, seed=seed, eps=eps)
+    attrs = {"probes": probes, "steps": steps, "seed": seed, "start_vectors": "unit" if q.exact else "rademacher",
+             "lanczos_steps": [int(k) for k in q.lengths], "ritz_range": list(q.ritz_range)}
+    return run, q, attrs
+
+
+def spectral_density(op: Operator, probes: int | None = None, steps: int | None = None, sigma: float | None = None,
+                     *, kind: str = "spectral_density", seed: int = 0, **run_options: Any) -> MatFreeResult:
+    """The eigenvalue density of H by stochastic Lanczos quadrature: ``density`` and ``grid`` ``(points,)``,
+    ``nodes`` and ``weights`` ``(probes, steps)`` (used: at most ``n_wrt`` each); ``sigma``: the smoothing width."""
+    run, q, attrs = _quadrature(op, kind, probes, steps, seed, run_options)
+    grid, values, width = estimators.density(q, sigma=_ruled(matfree_rules.check_sigma, sigma))
+    return run.result(kind, "stochastic lanczos quadrature", {"density": values, "grid": grid, "nodes": q.nodes,
+                      "weights": q.weights}, sigma=width, requested_sigma=sigma,
+                      grid_range=[float(grid[0]), float(grid[-1])], **attrs)
+
+
+def logdet(op: Operator, probes: int | None = None, steps: int | None = None, damping: float | None = None, *,
+           kind: str = "logdet", seed: int = 0, **run_options: Any) -> MatFreeResult:
+    """log det(H + damping I) by stochastic Lanczos quadrature: ``logdet`` and ``stderr`` (0-d); raises
+    ``InvalidRequest`` naming ``damping`` when a shifted Ritz value is not positive."""
+    damping = _ruled(matfree_rules.check_damping, damping)
+    run, q, attrs = _quadrature(op, kind, probes, steps, seed, run_options)
+    value, stderr = estimators.logdet(q, damping)
+    return run.result(kind, "stochastic lanczos quadrature", {"logdet": value, "stderr": stderr}, damping=damping,
+                      **attrs)
+
+
 def spectral(op: Operator, kind: str, **options: Any) -> MatFreeResult:
-    """Kind ``svd``, ``hessian_eig`` or ``hessian_trace`` by its spec's ``Spectrum.algorithm`` (``options`` as
-    each function takes them)."""
+    """A spectral kind by its spec's ``Spectrum.algorithm`` (``options`` as each function takes them; the
+    estimating ones are told the kind, whose ``Spectrum.operator`` they apply)."""
     spectrum = kind_spec(kind).spectrum
     if spectrum is None:
         raise KeyError(kind)
+    if spectrum.algorithm in ESTIMATING:
+        options["kind"] = kind
     return ALGORITHMS[spectrum.algorithm](op, **options)
 
 
-ALGORITHMS = {"subspace_iteration": svd, "lanczos": hessian_eig, "trace_estimate": hessian_trace}
+ESTIMATING = {"diagonal": hessian_diag, "slq_density": spectral_density, "slq_logdet": logdet}
+ALGORITHMS = {"subspace_iteration": svd, "lanczos": hessian_eig, "trace_estimate": hessian_trace, **ESTIMATING}

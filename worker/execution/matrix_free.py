@@ -1,6 +1,7 @@
 """The matrix-free families: ``products`` (``jvp``, ``vjp``, ``hvp`` of given seeds, streamed into ``products``
 block by block, resumed and sharded by storage blocks of seeds) and ``spectral`` (``svd``, ``hessian_eig``,
-``hessian_trace``: a few values, computed whole). Both run on one memory-planned ``Operator``, kept per worker
+``hessian_trace``, ``hessian_diag``, ``spectral_density``, ``logdet``: a few values, computed whole, the kind's
+own request fields passed on). Both run on one memory-planned ``Operator``, kept per worker
 for the next job on the same request (``worker.execution.operators``)."""
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ class SpectralExecutor(Executor):
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
         op, _ = operator(ctx)
-        job = ctx.job
-        return _run_whole(ctx, op, rank=job.rank, tol=job.tol, samples=job.samples)
+        return _run_whole(ctx, op, **{name: getattr(ctx.job, name) for name in ctx.spec.fields})
 
 
 def _run_whole(ctx: RunContext, op: Any, **kind_args: Any) -> dict[str, Any]:
