@@ -31,7 +31,8 @@ def render_spectrum(values: np.ndarray, attrs: dict[str, Any], *, job_id: str | 
     wrt = ", ".join(wrt) if isinstance(wrt, list) else str(wrt)
     products = attrs.get("products") or {}
     spent = ", ".join(f"{n} {c}" for n, c in products.items() if c)
-    subtitle = ",  ".join(x for x in (f"job {job_id}" if job_id else "", f"{attrs.get('method', '')}",
+    damping = f"damping {float(attrs['damping']):g}" if attrs.get("damping") is not None else ""
+    subtitle = ",  ".join(x for x in (f"job {job_id}" if job_id else "", f"{attrs.get('method', '')}", damping,
                                       f"products: {spent}" if spent else "") if x)
     title = words.title.format(of=of, wrt=wrt)
     if not spec.dims[0]:   # one number (the trace) and its standard error
@@ -47,6 +48,8 @@ def render_spectrum(values: np.ndarray, attrs: dict[str, Any], *, job_id: str | 
     footer = words.residual
     if residuals.size and np.isfinite(residuals).any():
         footer += f": largest {np.nanmax(residuals):.2g}"
+    if attrs.get("method") == "hutchinson" and attrs.get("probes"):   # a diagonal's estimate
+        footer = f"{attrs['probes']} Rademacher probes; each entry's standard error is in the array stderr"
     many = len(values) > MARKED
     if len(values) > BANDS:
         footer = f"the range of each block of {-(-len(values) // BANDS)} entries"
@@ -55,8 +58,9 @@ def render_spectrum(values: np.ndarray, attrs: dict[str, Any], *, job_id: str | 
     k = np.arange(1, len(values) + 1)
     if len(values) > BANDS:   # a large diagonal: the smallest and largest entry of each block
         per = -(-len(values) // BANDS)
-        blocks = np.pad(values, (0, per * BANDS - len(values)), constant_values=np.nan).reshape(BANDS, per)
-        ax.fill_between(np.arange(BANDS) * per + 1, np.nanmin(blocks, axis=1), np.nanmax(blocks, axis=1),
+        bands = -(-len(values) // per)
+        blocks = np.pad(values, (0, per * bands - len(values)), constant_values=np.nan).reshape(bands, per)
+        ax.fill_between(np.arange(bands) * per + 1, np.nanmin(blocks, axis=1), np.nanmax(blocks, axis=1),
                         color="#b2182b", linewidth=0.6, step="post")
     else:
         ax.plot(k, values, "-" if many else "o-", color="#b2182b", markersize=5, linewidth=1.0 if many else 1.2)

@@ -1,13 +1,16 @@
-"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp`` (products of ``seeds``), ``svd``, ``hessian_eig``
-and ``hessian_trace`` (spectra) computed by ``worker.engine.matfree``/``spectra`` without forming the matrix,
-written as arrays of the job's result group (``{job}/result.zarr``) with ``dimension_names``, the group sealed
-and ``manifest.json`` written last, as for the dense kinds (``worker.pipeline``).
+"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp`` (products of ``seeds``), ``svd``, ``hessian_eig``,
+``hessian_trace``, ``hessian_diag``, ``spectral_density`` and ``logdet`` (spectra) computed by
+``worker.engine.matfree``/``spectra`` without forming the matrix, written as arrays of the job's result group
+(``{job}/result.zarr``) with ``dimension_names``, the group sealed and ``manifest.json`` written last, as for the
+dense kinds (``worker.pipeline``).
 
 Arrays (DESIGN.md, "Storage"): ``products`` ``(seed,) + of`` (jvp) or ``(seed,) + wrt``; ``S (k,)``, ``U (k,) +
-of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d). The
-``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt`` axis for several (``wrt_slices`` in the
-group's attributes says where each lies). Products are written block by block with commit markers (a retried
-job computes only the blocks not committed); the spectra start over when retried.
+of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d);
+``diagonal`` and ``stderr`` (``wrt``); ``density`` and ``grid`` ``(grid,)``, ``nodes`` and ``weights`` ``(probe,
+step)``; ``logdet`` and ``stderr`` (0-d). The ``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt``
+axis for several (``wrt_slices`` in the group's attributes says where each lies). Products are written block by
+block with commit markers (a retried job computes only the blocks not committed); the spectra start over when
+retried.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from contracts import estimators as sizes
-from tests.engine.test_matfree import Case, built, loaded, paths  # noqa: F401 - the fixtures
+from tests.engine import test_matfree as matfree
 from worker.engine.errors import InvalidRequest, Stopped
 
+Case = matfree.Case
+paths, loaded, built = matfree.paths, matfree.loaded, matfree.built   # the fixtures: models and dense references
 CASES = [
     Case("softmax32", "logits", "x"),                          # float32, an input (n = 24)
     Case("softmax64", "logits", "variables/w0"),               # float64, a variable (n = 48)
@@ -86,7 +88,8 @@ def test_the_spectral_density(built, case):
     slq = spectral_density(op, 6, 20, seed=2)
     grid, dens = (np.asarray(slq.arrays[k], np.float64) for k in ("grid", "density"))
     assert slq.arrays["nodes"].shape == (6, min(20, n)) == slq.arrays["weights"].shape
-    assert grid.shape == dens.shape == (sizes.DENSITY_POINTS,) and np.trapezoid(dens, grid) == pytest.approx(1, abs=1e-3)
+    assert grid.shape == dens.shape == (sizes.DENSITY_POINTS,)
+    assert np.trapezoid(dens, grid) == pytest.approx(1, abs=1e-3)
     low, high = slq.attrs["ritz_range"]
     assert lam.min() - 1e-4 * scale_of(b.hess) <= low <= high <= lam.max() + 1e-4 * scale_of(b.hess)
     exact = spectral_density(op, n, n)                            # unit vectors: the eigenvalues' own measure
@@ -134,7 +137,8 @@ def test_progress_seeds_and_cancel(built):
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     again = spectral_density(op, 5, 8, seed=7)
     np.testing.assert_array_equal(first.arrays["nodes"], again.arrays["nodes"])
-    assert float(logdet(op, 5, 8, 50.0, seed=1).arrays["logdet"]) != float(logdet(op, 5, 8, 50.0, seed=2).arrays["logdet"])
+    one, two = (float(logdet(op, 5, 8, 50.0, seed=s).arrays["logdet"]) for s in (1, 2))
+    assert one != two
     calls = []
 
     def stop() -> bool:

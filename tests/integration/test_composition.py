@@ -201,6 +201,9 @@ EVERY_KIND = {
     "svd": {"of": "y", "wrt": "x", "rank": 2, "tol": 1e-8},
     "hessian_eig": {"of": "loss", "wrt": "x", "rank": 2, "tol": 1e-8},
     "hessian_trace": {"of": "loss", "wrt": "x", "samples": 15},
+    "hessian_diag": {"of": "loss", "wrt": "x", "probes": 15},
+    "spectral_density": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15},
+    "logdet": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15, "damping": 200.0},
 }
 
 
@@ -228,5 +231,11 @@ def test_every_kind_succeeds_with_progress_plan_and_preview(client, redis_conn, 
     want = {"jacobian": J, "batch_jacobian": tape_jacobian(model, {"x": X}, "y", "x", batch=True), "hessian": H,
             "jvp": SEEDS_WRT.reshape(2, 15) @ J.T, "vjp": SEEDS_OF.reshape(2, 12) @ J,
             "hvp": SEEDS_WRT.reshape(2, 15) @ H, "svd": np.linalg.svd(J, compute_uv=False)[:2],
-            "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2], "hessian_trace": np.trace(H)}[kind]
+            "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2], "hessian_trace": np.trace(H),
+            "hessian_diag": np.diag(H), "logdet": np.linalg.slogdet(H + 200.0 * np.eye(15))[1],
+            "spectral_density": None}[kind]
+    if want is None:   # the density: the eigenvalues smoothed on the result's grid (unit start vectors: exact)
+        grid, sigma = ds["grid"].values, ds.attrs["sigma"]
+        z = (grid[:, None] - np.linalg.eigvalsh(H)[None]) / sigma
+        want = np.exp(-0.5 * z * z).sum(axis=1) / (15 * sigma * np.sqrt(2 * np.pi))
     np.testing.assert_allclose(got.reshape(np.shape(want)), want, rtol=1e-7, atol=1e-10)
