@@ -118,6 +118,7 @@ def test_logdet_fails_naming_damping_when_the_damped_hessian_is_not_positive_def
     (lambda op, s: s.spectral_density(op, 4, 5, sigma=-1.0), "sigma"),
     (lambda op, s: s.logdet(op, 4, 5, float("nan")), "damping"),
     (lambda op, s: s.logdet(op, 4, sizes.MAX_STEPS + 1), "steps"),
+    (lambda op, s: s.hessian_diag(op, 4, method="hutch++"), "method"),
 ])
 def test_validation_names_the_field(built, call, field):
     from worker.engine import spectra

@@ -50,7 +50,7 @@ import numpy as np
 from contracts.estimators import EXACT_DIAGONAL_MAX, exact_diagonal, quadrature_shape
 from contracts.kinds import kind_spec
 from worker.engine import estimators, matfree_rules
-from worker.engine.errors import Stopped
+from worker.engine.errors import InvalidRequest, Stopped
 from worker.engine.matfree import MatFreeResult, Operator
 from worker.engine.problem import _ruled
 
@@ -344,6 +344,9 @@ def hessian_diag(op: Operator, probes: int | None = None, *, kind: str = "hessia
     """diag(H) (``worker.engine.estimators.diagonal``): ``diagonal`` and ``stderr`` ``(n_wrt,)``; ``method``
     ``auto`` (exact for a small wrt or ``probes >= n_wrt``), ``exact`` or ``hutchinson``."""
     probes = _ruled(matfree_rules.check_probes, probes, kind=kind)
+    if method not in ("auto", "exact", "hutchinson"):
+        raise InvalidRequest(f"method: {method!r} is not a diagonal method; use 'auto', 'exact' or 'hutchinson'",
+                             field="method")
     n = op.n_wrt
     exact = method == "exact" or (method == "auto" and exact_diagonal(probes, n))
     run = _Estimating(op, kind, n if exact else probes, chunk_size=chunk_size, progress=progress,
