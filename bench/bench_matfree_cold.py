@@ -3,7 +3,8 @@ and warm (the same folder again), against the dense route run the same way in th
 
 1. svd, rank 10, of MobileNetV3Small's logits w.r.t. one 224x224x3 image (``weights=None``):
    ``jacobian compute --kind svd`` against ``bench/peer_dense_svd.py`` (load, ``tape.jacobian``, numpy svd);
-   the singular values compared.
+   the singular values compared. Ours cold, warm (the same request: kept traces and the kept singular vectors
+   as its start) and warm on another image (the kept traces; the start vectors of the first image).
 2. hessian_eig (rank 5) and hessian_trace (99 samples) of a classification loss over every trainable variable
    of an MLP 784-128-128-10 (118,282 parameters; its dense Hessian, 56 GB in float32, is no peer on this
    machine): ``jacobian compute`` cold and warm.
@@ -34,6 +35,12 @@ def _s_values(uri: str) -> np.ndarray:
     return np.asarray(zarr.open_group(uri, mode="r")["S"][...], np.float64)
 
 
+def _attrs(uri: str) -> dict[str, Any]:
+    import zarr
+
+    return dict(zarr.open_group(uri, mode="r").attrs)
+
+
 def mobilenet_rows(root: Path, rank: int = 10) -> list[dict[str, Any]]:
     from tests import models
 
@@ -51,13 +58,19 @@ def mobilenet_rows(root: Path, rank: int = 10) -> list[dict[str, Any]]:
     runs["peer"]["uri"] = str(root / "peer_s.npy")
     rows.append({"what": "dense route (tape.jacobian + numpy svd), whole process", **runs["peer"]})
     print(rows[-1], flush=True)
-    for label in ("cold", "warm"):
-        runs[label] = timed_process(ours + ["--job-id", f"svd_{label}"], env)
-        rows.append({"what": f"jacobian compute --kind svd --rank {rank}, {label}", **runs[label]})
+    other = root / "image_other.npz"
+    np.savez(other, image=np.random.default_rng(1).standard_normal((1, 224, 224, 3)).astype("float32"))
+    for label in ("cold", "warm", "warm_other_image"):
+        args = ours if label != "warm_other_image" else [str(other) if a == str(inputs) else a for a in ours]
+        runs[label] = timed_process(args + ["--job-id", f"svd_{label}"], env)
+        attrs = _attrs(runs[label]["uri"])
+        rows.append({"what": f"jacobian compute --kind svd --rank {rank}, {label}", **runs[label],
+                     "iterations": attrs.get("iterations"), "start": attrs.get("start")})
         print(rows[-1], flush=True)
-    rows.append({"what": "svd warm / cold (issue 24's goal: at most 0.5)",
-                 "ratio": round(runs["warm"]["s"] / runs["cold"]["s"], 2)})
-    print(rows[-1], flush=True)
+    for label in ("warm", "warm_other_image"):
+        rows.append({"what": f"svd {label} / cold (issue 24's goal for warm: at most 0.5)",
+                     "ratio": round(runs[label]["s"] / runs["cold"]["s"], 2)})
+        print(rows[-1], flush=True)
     want = np.load(runs["peer"]["uri"]).astype(np.float64)
     for label in ("cold", "warm"):
         got = _s_values(runs[label]["uri"])

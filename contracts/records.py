@@ -74,6 +74,10 @@ class ResultInfo(BaseModel):
     format: str | None = Field(None, description="'coo' for a sparse Jacobian (arrays rows, cols, values, indptr "
                                "in the group); absent for a dense result")
     dense_shape: list[int] | None = Field(None, description="format 'coo': the matrix's shape [n_of, n_wrt]")
+    converged: bool | None = Field(None, description="svd, hessian_eig: whether every value met tol (false only "
+                                   "when the request said allow_unconverged: true)")
+    warning: str | None = Field(None, description="what is wrong with a result kept anyway (an unconverged "
+                                "spectrum: its largest residual against tol)")
 
 
 class ErrorInfo(BaseModel):

@@ -1,16 +1,17 @@
-"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp`` (products of ``seeds``), ``svd``, ``hessian_eig``,
-``hessian_trace``, ``hessian_diag``, ``spectral_density`` and ``logdet`` (spectra) computed by
-``worker.engine.matfree``/``spectra`` without forming the matrix, written as arrays of the job's result group
-(``{job}/result.zarr``) with ``dimension_names``, the group sealed and ``manifest.json`` written last, as for the
-dense kinds (``worker.pipeline``).
+"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp``, ``ggn_vp``, ``fisher_vp`` (products of ``seeds``),
+``svd``, ``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace``, ``hessian_diag``, ``spectral_density``,
+``logdet`` (spectra) and ``ihvp`` (solves) computed by
+``worker.engine.matfree``/``spectra``/``solve`` without forming the matrix, written as arrays of the job's result
+group (``{job}/result.zarr``) with ``dimension_names``, the group sealed and ``manifest.json`` written last, as for
+the dense kinds (``worker.pipeline``).
 
 Arrays (DESIGN.md, "Storage"): ``products`` ``(seed,) + of`` (jvp) or ``(seed,) + wrt``; ``S (k,)``, ``U (k,) +
 of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d);
-``diagonal`` and ``stderr`` (``wrt``); ``density`` and ``grid`` ``(grid,)``, ``nodes`` and ``weights`` ``(probe,
-step)``; ``logdet`` and ``stderr`` (0-d). The ``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt``
-axis for several (``wrt_slices`` in the group's attributes says where each lies). Products are written block by
-block with commit markers (a retried job computes only the blocks not committed); the spectra start over when
-retried.
+``solutions (seed,) + wrt``, ``residuals (seed,)``, ``iterations (seed,)`` (ihvp); ``diagonal`` and ``stderr``
+(``wrt``); ``density`` and ``grid`` ``(grid,)``, ``nodes`` and ``weights`` ``(probe, step)``; ``logdet``. The
+``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt`` axis for several (``wrt_slices`` in the
+group's attributes says where each lies). Products are written block by block with commit markers (a retried
+job computes only the blocks not committed); the spectra start over when retried.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from contracts import storage
 from contracts.jobspec import MATRIX_FREE_KINDS
-from contracts.kinds import KIND_FIELDS, KINDS, Family, kind_spec
+from contracts.kinds import FIELD_HELP, KINDS, Family, kind_spec
 from contracts.layout import MAIN_ARRAYS, RESULT_GROUP, array_dimension_names, job_url
 from contracts.records import iso_time
 from worker import result_group
@@ -48,16 +49,27 @@ def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
 
 @dataclass
 class MatFreeRun:
-    """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``; ``fields``: its own
-    request fields, ``rank``, ``tol``, ``samples``, ``probes``, ...), ``chunk_size`` (None: planned from memory),
-    ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds, ``block_bytes``
-    (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a shard, its
-    seeds ``rows`` written into the existing array."""
+    """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``, ``rank``, ``tol``,
+    ``max_iterations``, ``allow_unconverged``, ``samples``, ``probes``, ...), ``chunk_size`` (None: planned from
+    memory), ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds,
+    ``block_bytes`` (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a
+    shard, its seeds ``rows`` written into the existing array."""
 
     results_url: str
     job_id: str
     seeds: np.ndarray | None = None
-    fields: dict[str, Any] = field(default_factory=dict)
+    rank: int | None = None
+    tol: float | None = None
+    samples: int | None = None
+    loss: str | None = None
+    labels: str | None = None
+    damping: float | None = None
+    curvature: str | None = None
+    max_iterations: int | None = None
+    allow_unconverged: bool = False
+    probes: int | None = None
+    steps: int | None = None
+    sigma: float | None = None
     chunk_size: int | None = None
     on_progress: Callable[[int, int | None], None] | None = None
     should_stop: Callable[[], bool] | None = None
@@ -70,12 +82,11 @@ class MatFreeRun:
 
 def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: str, **options: Any) -> dict[str, Any]:
     """Run ``kind`` on ``op`` (``worker.engine.matfree.build_operator``) and store it; returns the manifest.
-    ``options``: the fields of ``MatFreeRun``, and the kinds' request fields (``rank=5``: ``contracts.kinds.
-    KIND_FIELDS``). Raises ``EngineError`` (``Stopped`` on cancel, ``InvalidRequest`` naming the field at fault)."""
+    ``options``: the fields of ``MatFreeRun``. Raises ``EngineError`` (``Stopped`` on cancel, ``InvalidRequest``
+    naming ``seeds``, ``rank``, ``tol``, ``samples``)."""
     from worker.engine import spectra
 
-    fields = {name: options.pop(name) for name in KIND_FIELDS if name in options}
-    run = MatFreeRun(results_url=results_url, job_id=job_id, fields=fields, **options)
+    run = MatFreeRun(results_url=results_url, job_id=job_id, **options)
     chunk_size = run.chunk_size
     on_progress, should_stop = run.on_progress, run.should_stop
     base = storage.normalize(job_url(results_url, job_id))
@@ -92,11 +103,13 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
         if run.seeds is None:
             raise _missing("seeds", kind)
         result, stored = _products(op, kind, run)
-    else:   # a spectrum: the kind's own fields (rank, tol; samples), the required ones given
+    else:   # a spectrum or a solve: the kind's own fields (rank, tol; samples; damping, ...), the required ones given
         storage.delete_prefix(group_url)
         stored = {}
-        args = {f: _required(run.fields.get(f), f, kind) if f in spec.required else run.fields.get(f)
+        args = {f: _required(getattr(run, f), f, kind) if f in spec.required else getattr(run, f)
                 for f in spec.fields}
+        if spec.seeds is not None:
+            args["seeds"] = _required(run.seeds, "seeds", kind)
         result = spectra.spectral(op, kind, **args, chunk_size=chunk_size, progress=on_progress,
                                   should_stop=should_stop)
         _write_small(group_url, op, kind, result, dims)
@@ -117,6 +130,10 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                 **{k: v for k, v in (run.manifest_fields or {}).items() if v is not None}}
     if result.residuals is not None:
         manifest["residuals"] = [float(r) for r in np.asarray(result.residuals, np.float64)]
+    if spec.family is not Family.products:
+        manifest["converged"] = bool(result.converged)
+        if "warning" in result.attrs:
+            manifest["warning"] = str(result.attrs["warning"])
     write_manifest(base, manifest)
     return manifest
 
@@ -208,8 +225,9 @@ def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str
     if stderr is not None and np.ndim(stderr) == 0:  # a 0-d value's standard error, for readers of its array alone
         attrs["stderr_value"] = float(np.asarray(stderr))
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
+    words = kind_spec(kind)
     for name, value in result.arrays.items():
-        data = _shaped(np.asarray(value), kind_spec(kind).dims_of(name), op)
+        data = _shaped(np.asarray(value), words.dims_of(name) if name in words.arrays else (), op)
         names = dims.get(name) or [f"{name}_{i}" for i in range(data.ndim)]
         if len(names) != data.ndim:
             names = [f"{name}_{i}" for i in range(data.ndim)]
@@ -231,17 +249,18 @@ def _attrs(op: Any, kind: str) -> dict[str, Any]:
     return jsonable({**op.attrs(), "kind": kind})
 
 
-def _required(value: int | None, field: str, kind: str) -> int:
+def _required(value: Any, field: str, kind: str) -> Any:
     if value is None:
         raise _missing(field, kind)
-    return int(value)
+    return value
 
 
 def _missing(field: str, kind: str) -> Exception:
     from worker.engine.errors import InvalidRequest
 
     what = {"seeds": "the vectors to multiply, shape (k,) + wrt.shape (jvp, hvp) or (k,) + of.shape (vjp)",
-            "rank": "how many singular values or eigenpairs, e.g. 5"}.get(field, "see the kind's fields")
+            "rank": "how many singular values or eigenpairs, e.g. 5"}.get(field) \
+        or FIELD_HELP.get(field, "see its docs")
     return InvalidRequest(f"{field}: kind {kind!r} needs {field}: {what}", field=field)
 
 

@@ -32,7 +32,7 @@ def rounding(op) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_the_diagonal_exact_and_by_hutchinson(built, case):
-    from worker.engine.spectra import hessian_diag
+    from worker.engine.estimating import hessian_diag
 
     b = built(case)
     op, want = b.op, np.diag(b.hess)
@@ -61,7 +61,7 @@ def damped(hess: np.ndarray) -> tuple[float, np.ndarray]:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_logdet_by_slq_against_slogdet(built, case):
-    from worker.engine.spectra import logdet
+    from worker.engine.estimating import logdet
 
     b = built(case)
     op, n = b.op, b.op.n_wrt
@@ -80,7 +80,7 @@ def test_logdet_by_slq_against_slogdet(built, case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_the_spectral_density(built, case):
-    from worker.engine.spectra import spectral_density
+    from worker.engine.estimating import spectral_density
 
     b = built(case)
     op, n = b.op, b.op.n_wrt
@@ -102,7 +102,7 @@ def test_the_spectral_density(built, case):
 
 
 def test_logdet_fails_naming_damping_when_the_damped_hessian_is_not_positive_definite(built):
-    from worker.engine.spectra import logdet
+    from worker.engine.estimating import logdet
 
     b = built(CASES[3])                                           # float64_model: an indefinite Hessian
     lam = np.linalg.eigvalsh(b.hess)
@@ -121,7 +121,7 @@ def test_logdet_fails_naming_damping_when_the_damped_hessian_is_not_positive_def
     (lambda op, s: s.hessian_diag(op, 4, method="hutch++"), "method"),
 ])
 def test_validation_names_the_field(built, call, field):
-    from worker.engine import spectra
+    from worker.engine import estimating as spectra
 
     with pytest.raises(InvalidRequest) as err:
         call(built(CASES[0]).op, spectra)
@@ -129,7 +129,7 @@ def test_validation_names_the_field(built, call, field):
 
 
 def test_progress_seeds_and_cancel(built):
-    from worker.engine.spectra import hessian_diag, logdet, spectral_density
+    from worker.engine.estimating import hessian_diag, logdet, spectral_density
 
     op = built(CASES[1]).op
     seen: list[tuple[int, int | None]] = []

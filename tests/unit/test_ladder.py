@@ -120,3 +120,25 @@ def test_memory_only_ladders_grow_after_one_call_per_size():
     assert sizes == [8, 16, 32, 64, 64, 64, 64, 64] and ladder.is_settled
     ladder.cap(16)   # out of memory above 16: no growth again
     assert ladder.next_size() == 16 and ladder.is_settled
+
+
+def test_a_comparison_too_long_for_one_job_goes_on_in_the_next():
+    """A short job runs one pair of 32 against 64 and ends; the pair travels in the plan (``open_pairs`` ->
+    ``StrategyRecord.comparing``, JSON and back) and the next job's ladder resumes it: one more pair decides."""
+    from worker.engine.plan import StrategyRecord
+
+    first = Ladder(size=32, timed={32}, called={32})
+    first.comparison = None
+    first.observe(32, 32 / 100.0, 1, warm=True, can_grow_to=lambda k: True)   # opens 32 vs 64
+    assert first.comparison is not None and (first.comparison.small, first.comparison.large) == (32, 64)
+    drive(first, rates({32: 100.0, 64: 150.0}), 3)    # 64's warm-up, then 32 and 64: one pair
+    assert first.size == 32 and len(first.comparison.pairs) == 1
+    record = StrategyRecord(comparing=first.open_pairs())
+    carried = StrategyRecord.from_json(record.to_json()).comparing
+    assert carried == [32, 64, [list(first.comparison.pairs[0])]]
+
+    second = Ladder(size=32, timed={32, 64}, called={32, 64})
+    second.resume(*carried)
+    drive(second, rates({32: 100.0, 64: 150.0}), 2)    # 32, 64: the second pair, a majority of three
+    assert second.size == 64
+    assert StrategyRecord.from_json({"comparing": ["x", 2]}).comparing is None   # a damaged entry: ignored

@@ -239,6 +239,8 @@ class ChunkRun:
                                    if k > kept and r < (1 + GROWTH_GAIN) * record.rates[kept]}
             if ladder.size // 2 in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size:
                 ladder.recheck()
+            elif record.comparing and self.pending >= comparison_rows(record.comparing[1], warm=True):
+                ladder.resume(*record.comparing)
         self.ladders[label] = ladder
         return ladder
 
@@ -264,13 +266,14 @@ class ChunkRun:
 
     def can_grow_to(self, label: str, k: int, rows_left: int) -> bool:
         """Whether ``label``'s chunk may double to ``k`` rows: within the chunk cap, with rows left to
-        measure it (its warm-up and every pair: the comparison ends before the rows do), and its predicted
+        measure it (its warm-up and one pair; pairs left undecided go on in the next job), and its predicted
         peak (the bound through this run's peaks and the plan's line, with ``FIRST_CALL_MARGIN`` for a new
         size's first call) under the limit. Growth stopped by the cap or by memory leaves the ladder
         calibrated; by the rows running out, not."""
-        if rows_left < (comparison_rows(k) if self.throughput_cap else k):
+        ladder = self.ladders[label]
+        if rows_left < (comparison_rows(k, warm=k in ladder.called) if self.throughput_cap else k):
             return False
-        ladder, memory = self.ladders[label], self.plan.record(label).memory_at(self.batch)
+        memory = self.plan.record(label).memory_at(self.batch)
         predicted = max(fit_bound(ladder.peaks)(k), memory(k) if memory is not None else 0.0)
         fits = (k <= min(self.k_cap.get(label, self.max_rows), self.max_rows)
                 and predicted * tuning.FIRST_CALL_MARGIN <= self.usable)
@@ -323,7 +326,7 @@ class ChunkRun:
             record.seconds = LinearFit(0.0, 1.0 / record.rates[timed[-1]])
         if ladder.size in record.rates:
             record.preferred_rows = ladder.size
-        record.batch = self.batch
+        record.batch, record.comparing = self.batch, ladder.open_pairs()
 
     def shrink(self, label: str, k: int, *, oom: bool) -> int:
         """After an OOM (or a peak near the limit) at ``k`` rows: halve, and correct the memory line

@@ -10,7 +10,8 @@ a memory fit is extrapolated at most one doubling past what was measured.
 - Each size's first call in a process is a warm-up (trace, allocator, oneDNN primitives): not timed.
 - A comparison of ``small`` and ``large = 2 * small`` times them in turn (small, large, small, large,
   ...). Each pair gives one ratio of per-row times; the median of ``PAIRS`` (so: the majority, which
-  may be known after two) decides. Load that comes and goes falls on both sides of a pair alike.
+  may be known after two) decides. Load that comes and goes falls on both sides of a pair alike. A job
+  too short for every pair leaves them in the plan and the next job goes on (``resume``).
 - Memory-only ladders (``by_throughput=False``) grow after one call of a size while memory allows.
 """
 
@@ -19,14 +20,17 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 GROWTH_GAIN = 0.10   # a doubled chunk (twice the memory) must give 10 % more rows/s, on paired timings
 PAIRS = 3            # pairs in a comparison: the median decides (the majority, often known after two)
 
 
-def comparison_rows(large: int) -> int:
-    """Rows a comparison of ``large // 2`` with ``large`` may take: the warm-up of ``large``, then ``PAIRS`` pairs."""
-    return large + PAIRS * (large // 2 + large)
+def comparison_rows(large: int, *, warm: bool = False) -> int:
+    """Rows a comparison of ``large // 2`` with ``large`` needs to make progress in a job: the warm-up of
+    ``large`` (unless ``warm``) and one pair. The pairs a job leaves undecided are carried in the plan to the
+    next job (``open_pairs``), so a short job's chunks still decide a doubling over a few jobs."""
+    return (0 if warm else large) + (large // 2 + large)
 
 
 def growth_verdict(pairs: list[tuple[float, float]], *, gain: float = GROWTH_GAIN,
@@ -99,6 +103,16 @@ class Ladder:
         """Compare ``size`` with half of it first (a size a plan kept: does it still pay here, now?)."""
         if self.size >= 2 and self.by_throughput:
             self.comparison = Comparison(self.size // 2, self.size)
+
+    def resume(self, small: int, large: int, pairs: list[list[float]]) -> None:
+        """Go on with a comparison an earlier job left undecided (its pairs, from the plan)."""
+        if self.by_throughput and self.size == small and large == 2 * small and large not in self.rejected:
+            self.comparison = Comparison(small, large, pairs=[(float(a), float(b)) for a, b in pairs])
+
+    def open_pairs(self) -> list[Any] | None:
+        """The comparison under way as ``[small, large, pairs]`` for the plan (None: none, or no pair yet)."""
+        c = self.comparison
+        return None if c is None or not c.pairs else [c.small, c.large, [list(p) for p in c.pairs]]
 
     def cap(self, rows: int) -> None:
         """No chunk above ``rows`` (out of memory at twice that, or a peak near the limit): no more growth."""

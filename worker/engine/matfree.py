@@ -24,10 +24,10 @@ The first call of a kind tries the labels in that order on its seeds plus one ra
 whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``; a JVP row ``J t`` by
 the dot-product test ``u . J t = (J^T u) . t`` against one eager VJP, a single backward pass); the first label
 that runs and agrees is kept for the operator (and, through ``worker.execution.operators``, for later jobs
-and processes). Compiled functions are cached on the loaded model
-(``model.compiled``). ``Operator.counts`` counts the products: per kind, and ``checks`` for the probe
-rows and reference products spent choosing. Results are cast to the wider dtype of ``of`` and ``wrt``
-(``contracts.rules.result_dtype``), or ``output_dtype``.
+and processes). Compiled functions are cached on the loaded model (``model.compiled``) and the chosen one's
+graph in the cache folder (``trace_cache``). ``Operator.counts`` counts the products: per kind, and ``checks``
+for the probe rows and reference products spent choosing. Results: the wider dtype of ``of`` and ``wrt`` (or
+``output_dtype``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 from contracts import rules
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
 from contracts.kinds import kind_spec
-from worker.engine import matfree_rules, pfor_patches
+from worker.engine import matfree_rules, pfor_patches, trace_cache
 from worker.engine.chunk_run import Adjoint, agrees
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
 from worker.engine.memory import is_out_of_memory
@@ -109,7 +109,9 @@ class Operator:
         self.counts = {"jvp": 0, "vjp": 0, "hvp": 0, "checks": 0}
         self.labels: dict[str, str] = {}      # per kind: the label chosen by its first call
         self.on_choice: Callable[[], None] | None = None   # told when a label is chosen (to keep it)
+        self.trace_dir: str | None = None     # the cache folder: traced functions kept for later processes
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
+        self.middles: dict[str, Callable[[np.ndarray], np.ndarray]] = {}   # J^T M J kinds: M (``curvature.middles``)
         self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
         # Planning chunks of seeds from memory (``plan_memory``): the probe, the budget, what was planned.
@@ -158,6 +160,12 @@ class Operator:
         """``H v`` (Hessian of ``sum(of)``) for ``(k, n_wrt)`` (or ``(k,) + wrt.shape``): ``(k, n_wrt)``."""
         self.require_hessian("hvp")
         return self.apply("hvp", self._seeds("hvp", seeds), **options).astype(self.dtype)
+
+    def curvature_vp(self, kind: str, seeds: Any, **options: Any) -> np.ndarray:
+        """``J^T M J v`` of a curvature product ``kind`` (its ``middles`` entry) for ``(k, n_wrt)`` seeds."""
+        if kind not in self.middles:
+            raise InvalidRequest(f"loss: kind {kind!r} needs a loss (and its labels) on of", field="loss")
+        return self.apply(kind, self._seeds(kind, seeds), **options).astype(self.dtype)
 
     def _seeds(self, kind: str, seeds: Any) -> np.ndarray:
         """Seeds checked (``matfree_rules.check_seeds``, finite) and flattened to ``(k, size)``."""
@@ -208,7 +216,7 @@ class Operator:
                 out = np.empty((total,) + rows.shape[1:], rows.dtype)
             if keep:
                 out[start:start + n] = rows
-            self.counts[kind] += n
+            self.counts[kind] = self.counts.get(kind, 0) + n
             if on_chunk is not None:
                 on_chunk(start, rows)
             start += n
@@ -229,10 +237,16 @@ class Operator:
         return rows
 
     def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
+        if kind in self.middles:   # J^T M J: a JVP, M on the host, a VJP
+            from worker.engine.curvature import sandwich
+
+            return sandwich(self, self.middles[kind], seeds)
         label = self.labels.get(kind)
-        if label is not None:
-            return self._run(kind, label, seeds)
-        return self._choose(kind, seeds)
+        if label is None:
+            return self._choose(kind, seeds)
+        rows = self._run(kind, label, seeds)
+        self._keep_trace(kind, label)
+        return rows
 
     # -- choosing how -------------------------------------------------------------------------
 
@@ -280,6 +294,7 @@ class Operator:
                 continue
             self.labels[kind] = label
             self.counts["checks"] += 1
+            self._keep_trace(kind, label)
             if self.on_choice is not None:
                 self.on_choice()
             return rows[:-1]
@@ -335,10 +350,26 @@ class Operator:
         return ProductKey(self.of, self.axis.names, self.axis.optional, kind, label,
                           self.reduce if kind_spec(kind).scalar_of else None, self.compute_dtype, inputs)
 
+    def _trace_key(self, kind: str, label: str) -> tuple[Any, ...] | None:
+        shapes = tuple(sorted((n, tuple(t.shape.as_list())) for n, t in self.inputs.items()))
+        return ("product-trace", self.model.fingerprint, self.model.signature, shapes, self.key(kind, label)) \
+            if self.trace_dir and self.model.fingerprint and not label.endswith("/eager") else None
+
+    def _keep_trace(self, kind: str, label: str) -> None:
+        """Store the chosen label's traced function for later processes (``trace_cache``), once per process."""
+        key = self._trace_key(kind, label)
+        fn = self.model.compiled.peek(self.key(kind, label))
+        if key and fn is not None and not getattr(fn, "graph_from_cache", False):
+            trace_cache.store(self.trace_dir, key, fn, self.model.variables)
+
     def _compiled(self, tf: Any, kind: str, label: str) -> Any:
         pfor_patches.install()
 
         def build() -> Any:
+            key = self._trace_key(kind, label)
+            stored = trace_cache.load(self.trace_dir, key, self.model.variables) if key else None
+            if stored is not None:
+                return stored
             spec = {n: tf.TensorSpec(s.shape, s.dtype) for n, s in self.model.input_specs.items()}
             traced = functools.partial(body(tf, self, kind, label))  # see strategies._compiled
             return tf.function(traced, reduce_retracing=False,
@@ -379,7 +410,8 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
     ``(k,) + wrt.shape`` otherwise (``WrtAxis.shape``). ``on_chunk(start, rows)`` gets each chunk's rows in that
     layout and dtype as they come (for storage), then ``progress(seeds done, k)`` is called."""
     if kind not in PRODUCT_KINDS:
-        raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
+        raise InvalidRequest(f"kind: {kind!r} is not a product kind; use one of {', '.join(PRODUCT_KINDS)}",
+                             field="kind")
     k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)
     along_of = kind_spec(kind).product_axes == "of"
@@ -392,9 +424,11 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
             progress(start + len(rows), k)
 
     streamed = on_chunk is not None   # the caller keeps the chunks: none are held here
-    product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk,
-                                keep=not streamed)
+    method = functools.partial(op.curvature_vp, kind) if kind_spec(kind).curvature else getattr(op, kind)
+    product = method(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk, keep=not streamed)
     arrays = {} if streamed else {"products": product if along_of else op.axis.unflatten(product)}
-    return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays=arrays,
-                         products={n: op.counts[n] - before[n] for n in op.counts}, iterations=1,
+    how = op.labels.get(kind, "") if not kind_spec(kind).curvature else f"J^T M J: {op.labels.get('jvp')} JVPs, " \
+        f"{op.labels.get('vjp')} VJPs"
+    return MatFreeResult(kind=kind, method=how, arrays=arrays,
+                         products={n: op.counts[n] - before.get(n, 0) for n in op.counts}, iterations=1,
                          attrs={"seeds": k})

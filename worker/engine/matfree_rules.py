@@ -9,8 +9,10 @@ naming the fix, as the rest of the rulebook does: the engine turns them into ``I
   ``(k,) + of.shape`` (cotangents) for ``vjp``; with several ``wrt``, ``(k, total size)``, and the
   flat ``(k, size)`` is accepted for one ``wrt`` too.
 - ``svd``: ``1 <= rank <= min(size of of, size of wrt)``; ``hessian_eig``: ``1 <= rank <= size of wrt``.
-- ``tol``: a relative accuracy in ``(0, 0.5)``; ``samples`` (``hessian_trace``): at least 2, for a
-  standard error (Hutch++ needs 6: two thirds of them deflate, a third estimate what is left).
+- ``tol``: a relative accuracy in ``(0, 0.5)``; ``max_iterations`` (``svd``: subspace iterations, default 200;
+  ``hessian_eig``: Lanczos steps, default ``max(20 rank, 100)``): at least 1; ``samples``
+  (``hessian_trace``): at least 2, for a standard error (Hutch++ needs 6: two thirds of them deflate, a third
+  estimate what is left).
 - ``probes`` (``hessian_diag``, ``spectral_density``, ``logdet``): at least 2; ``steps``: 1 to ``MAX_STEPS``, and one
   probe's Lanczos basis within ``BASIS_BYTES`` (``contracts.estimators``); ``sigma`` positive; ``damping`` finite.
 - The Hessian kinds (``hvp``, ``hessian_eig``, ``hessian_trace``): ``of`` of one element, or
@@ -30,6 +32,8 @@ from contracts.rules import MATRIX_FREE_HESSIAN_KINDS, RuleViolation, check_hess
 TRACE_METHODS = ("auto", "hutch++", "hutchinson", "exact")
 DEFAULT_TOL = 1e-4
 DEFAULT_SAMPLES = 100
+DEFAULT_SVD_ITERATIONS = 200
+MAX_ITERATIONS = 1_000_000
 MIN_SAMPLES = 2
 MIN_HUTCHPP_SAMPLES = 6
 
@@ -43,7 +47,7 @@ def check_rank(kind: str, rank: object, *, of_size: int, wrt_size: int) -> int:
     ``wrt``'s size): the number of singular values or eigenpairs asked for. The kind's spec says which: the
     Hessian of a kind that differentiates twice is ``wrt`` by ``wrt``."""
     spec = kind_spec(kind)
-    square = spec.scalar_of
+    square = spec.scalar_of or bool(spec.applies)   # H, or a matrix of HVP-like products (G): wrt by wrt
     largest = wrt_size if square else min(of_size, wrt_size)
     what = (f"the size of wrt ({wrt_size})" if square
             else "min(size of of, size of wrt) = " f"min({of_size}, {wrt_size})")
@@ -67,6 +71,17 @@ def check_tol(tol: object) -> float:
         raise RuleViolation(f"tol: must be a relative accuracy between 0 and 0.5 (exclusive), got {tol!r}; "
                             f"the default is {DEFAULT_TOL}", field="tol")
     return float(tol)
+
+
+def check_max_iterations(max_iterations: object, *, default: int) -> int:
+    """``max_iterations``: how many iterations (``svd``) or Lanczos steps (``hessian_eig``) a spectrum may take
+    before it ends ``NotConverged``; None: ``default``."""
+    if max_iterations is None:
+        return default
+    if not _is_int(max_iterations) or not 1 <= max_iterations <= MAX_ITERATIONS:
+        raise RuleViolation(f"max_iterations: must be an integer from 1 to {MAX_ITERATIONS}, got {max_iterations!r}; "
+                            "omit it for the kind's default", field="max_iterations")
+    return int(max_iterations)
 
 
 def check_samples(samples: object, *, method: str = "auto") -> int:

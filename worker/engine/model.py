@@ -54,6 +54,10 @@ class CompiledChunks:
     def __contains__(self, key: Any) -> bool:
         return key in self._fns
 
+    def peek(self, key: Any) -> Any | None:
+        """The function compiled for ``key``, or None (nothing is built)."""
+        return self._fns.get(key)
+
     def tracing_counts(self) -> dict[Any, int]:
         """Traces made so far per key (1 for every function used: no retracing)."""
         return {k: int(fn.experimental_get_tracing_count()) for k, fn in self._fns.items()

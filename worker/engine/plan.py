@@ -95,6 +95,7 @@ class StrategyRecord:
     batch: int | None = None         # the batch size the fits were measured at
     peak_unseen: bool = False        # its chunks' peaks read 0: the allocator statistics do not see its memory
                                      # (XLA on the CPU), so a memory budget cannot bound it
+    comparing: list[Any] | None = None   # an undecided doubling, carried to the next job: [small, large, pairs]
 
     @property
     def usable(self) -> bool:
@@ -119,7 +120,7 @@ class StrategyRecord:
                    rates={int(k): float(v) for k, v in (data.get("rates") or {}).items()},
                    peaks={int(k): int(v) for k, v in (data.get("peaks") or {}).items()},
                    preferred_rows=data.get("preferred_rows"), batch=data.get("batch"),
-                   peak_unseen=bool(data.get("peak_unseen")))
+                   peak_unseen=bool(data.get("peak_unseen")), comparing=_comparing(data.get("comparing")))
 
     def memory_at(self, batch: int | None) -> LinearFit | None:
         """The memory line for ``batch`` examples: scaled up from the batch it was measured at."""
@@ -130,6 +131,15 @@ class StrategyRecord:
 
     def best_rate(self) -> float | None:
         return max(self.rates.values()) if self.rates else None
+
+
+def _comparing(raw: Any) -> list[Any] | None:
+    """A stored open comparison, or None when it is malformed (a plan is advice: never an error)."""
+    try:
+        small, large, pairs = raw
+        return [int(small), int(large), [[float(a), float(b)] for a, b in pairs]]
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass

@@ -203,8 +203,12 @@ class Attempt:
 
 def result_of(manifest: dict[str, Any]) -> dict[str, Any]:
     """The job record's ``result`` from a manifest: ``uri``, ``shape``, ``dtype``; a sparse (COO) result adds
-    ``format`` and its ``dense_shape``."""
+    ``format`` and its ``dense_shape``; a spectrum ``converged`` (and the ``warning`` of an unconverged one kept by
+    ``allow_unconverged``)."""
     result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
+    for name in ("converged", "warning"):
+        if manifest.get(name) is not None:
+            result[name] = manifest[name]
     if manifest.get("format") == "coo":
         result["format"] = "coo"
         result["dense_shape"] = manifest["dense_shape"]
