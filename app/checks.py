@@ -159,7 +159,8 @@ def what_would_fit(options: JobOptions, *, size: int, rows: int, itemsize: int, 
         ways.append("kind='batch_jacobian' when the examples of the batch are independent (of and wrt share their "
                     "batch axis: one block per example, the batch size times fewer bytes)")
     ways.append("a matrix-free kind: 'jvp' or 'vjp' (products with your seeds), 'svd' (the largest singular values)"
-                if not kind.scalar_of else "a matrix-free kind: 'hvp', 'hessian_eig' or 'hessian_trace'")
+                if not kind.scalar_of else "a matrix-free kind: 'hvp', 'hessian_eig', 'hessian_trace' or "
+                "'hessian_diag'")
     if kind.sparsity and wrt_is_input and options.sparsity is None:
         ways.append("sparsity='auto' (only the non-zeros are stored, as COO)")
     if itemsize > 2:

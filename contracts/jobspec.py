@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts import estimators
 from contracts.kinds import (
     CURVATURES,
     FIELD_HELP,
@@ -49,6 +50,9 @@ class Kind(str, Enum):
     ggn_eig = "ggn_eig"
     ggn_trace = "ggn_trace"
     ihvp = "ihvp"
+    hessian_diag = "hessian_diag"
+    spectral_density = "spectral_density"
+    logdet = "logdet"
 
     @property
     def matrix_free(self) -> bool:
@@ -193,6 +197,16 @@ class JobOptions(BaseModel):
                                     "result.warning saying so (default false: such a job fails NotConverged)")
     samples: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_trace: Hessian-vector products "
                                 "to spend (default 100; at least the wrt size gives the exact trace)")
+    probes: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_diag: Rademacher probes of "
+                               f"Hutchinson's estimate (default {estimators.DIAGONAL_PROBES}; the exact diagonal when "
+                               f"the wrt size is at most {estimators.EXACT_DIAGONAL_MAX} or probes >= it); "
+                               "spectral_density, logdet: start vectors of the Lanczos quadrature (default "
+                               f"{estimators.SLQ_PROBES}; probes >= the wrt size: its unit vectors, no sampling error)")
+    steps: int | None = Field(None, ge=1, le=estimators.MAX_STEPS, description="spectral_density, logdet: Lanczos "
+                              f"steps per probe (default {estimators.SLQ_STEPS}; at most the wrt size are taken)")
+    sigma: float | None = Field(None, gt=0, allow_inf_nan=False, description="spectral_density: the width of the "
+                                "Gaussian that smooths the density (eigenvalue units; default "
+                                f"{estimators.SIGMA_FRACTION:g} x the range of the Ritz values)")
     precision: Literal["highest", "tf32"] = Field(
         "highest", description="'highest': full float32 matmuls and convolutions on the GPU (TensorFloat-32 off, "
         "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
@@ -211,8 +225,10 @@ class JobOptions(BaseModel):
                                "labels (an entry of inputs, or an .npz member, besides the signature's inputs; or a "
                                "signature input): of's shape, or for softmax_cross_entropy integer classes of "
                                "of.shape[:-1]")
-    damping: float | None = Field(None, gt=0, allow_inf_nan=False, description="ihvp: the damping added to the "
-                                  "diagonal, the solve is (A + damping I) x = v; required, > 0")
+    damping: float | None = Field(None, allow_inf_nan=False, description="ihvp: the damping added to the "
+                                  "diagonal, the solve is (A + damping I) x = v; required, > 0. logdet: log det(H + "
+                                  "damping I) (default 0); the job fails naming damping when H + damping I is not "
+                                  "positive definite")
     curvature: Literal["hessian", "ggn"] | None = Field(None, description="ihvp: the matrix A, 'hessian' (H of a "
                                                         "scalar of; the default) or 'ggn' (with loss)")
 
@@ -257,6 +273,9 @@ class JobOptions(BaseModel):
         for name in spec.required:
             if getattr(self, name) is None:
                 raise ValueError(f"{name}: kind {spec.name!r} needs {name}, {FIELD_HELP.get(name, 'see its docs')}")
+        if "damping" in spec.required and self.damping is not None and self.damping <= 0:   # a solve's shift
+            raise ValueError(f"damping: kind {spec.name!r} needs a positive damping, got {self.damping:g}; "
+                             f"{FIELD_HELP['damping']}")
         self._check_curvature()
         if self.output_dtype is not None and self.output_dtype not in STORABLE_DTYPES:
             raise ValueError(f"output_dtype: {self.output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); "

@@ -53,10 +53,10 @@ class KindSpec:
     resumes from (``"blocks"``: storage blocks of rows or seeds; None: no shards / starts over);
     ``sparse_unit``: the same for the ``sparsity`` route (``"colours"``: storage blocks of the compressed
     products, one row a colour; a pattern that does not pay falls back to ``shards``). ``preview``: how
-    ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``), with ``symbol`` and ``product_axes``
-    (the tensor a product row is shaped like) for the products. ``routes``: the modes a product kind can be
-    computed by (``"forward"``: forward mode, tried first where it applies; ``"reverse"``). ``spectrum``: a
-    spectral kind's method and words (``Spectrum``).
+    ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``; ``density``: a curve over its grid), with
+    ``symbol`` and ``product_axes`` (the tensor a product row is shaped like) for the products. ``routes``: the
+    modes a product kind can be computed by (``"forward"``: forward mode, tried first where it applies;
+    ``"reverse"``). ``spectrum``: a spectral kind's method and words (``Spectrum``).
     """
 
     name: str
@@ -110,6 +110,10 @@ _TRACE = Spectrum("trace_estimate", "Trace of the Hessian of {of} w.r.t. {wrt}",
 _GGN_EIG = Spectrum("lanczos", "Eigenvalues of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "eigenvalue",
                     counted="eigenpairs", order="k (largest magnitude first)", residual="residual ||G v - λ v||")
 _GGN_TRACE = Spectrum("trace_estimate", "Trace of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "tr(G)")
+_DIAG = Spectrum("diagonal", "Diagonal of the Hessian of {of} w.r.t. {wrt}", "H_ii", order="i (flat wrt index)")
+_DENSITY = Spectrum("slq_density", "Spectral density of the Hessian of {of} w.r.t. {wrt}", "density",
+                    order="eigenvalue")
+_LOGDET = Spectrum("slq_logdet", "log det(H + damping·I) of {of} w.r.t. {wrt}", "log det")
 _IHVP = Spectrum("conjugate_gradients", "(A + damping I)⁻¹ v of {of} w.r.t. {wrt}", "(A + λI)⁻¹ v",
                  residual="relative residual ||(A + λI) x - v|| / ||v||")
 
@@ -161,6 +165,19 @@ _SPECS = (
              seeds="wrt", fields=("curvature", "damping", "loss", "max_iterations", "tol"), required=("damping",),
              shards=None, resume=None, preview="products", symbol="(A + λI)⁻¹ v", product_axes="wrt",
              spectrum=_IHVP, applies="curvature"),
+    KindSpec("hessian_diag", Family.spectral, ("diagonal", "stderr"), (("wrt",), ("wrt",)),
+             "diag(H): exact by unit-vector HVPs, else Hutchinson's estimate with a per-entry stderr",
+             scalar_of=True, fields=("probes",), shards=None, resume=None, preview="spectrum", spectrum=_DIAG,
+             applies="hvp"),
+    KindSpec("spectral_density", Family.spectral, ("density", "grid", "nodes", "weights"),
+             (("grid",), ("grid",), ("probe", "step"), ("probe", "step")),
+             "the eigenvalue density of H by stochastic Lanczos quadrature", scalar_of=True,
+             fields=("probes", "steps", "sigma"), shards=None, resume=None, preview="density", spectrum=_DENSITY,
+             applies="hvp"),
+    KindSpec("logdet", Family.spectral, ("logdet", "stderr"), ((), ()),
+             "log det(H + damping I) by stochastic Lanczos quadrature with its stderr", scalar_of=True,
+             fields=("probes", "steps", "damping"), shards=None, resume=None, preview="spectrum", spectrum=_LOGDET,
+             applies="hvp"),
 )
 
 KINDS: dict[str, KindSpec] = {s.name: s for s in _SPECS}
@@ -191,7 +208,7 @@ def kinds_where(**wanted: object) -> tuple[str, ...]:
 
 def kinds_taking(field: str) -> tuple[str, ...]:
     """The kinds that take the request field ``field`` (``rank``, ``tol``, ``max_iterations``,
-    ``allow_unconverged``, ``samples``)."""
+    ``allow_unconverged``, ``samples``, ``probes``, ...)."""
     return tuple(s.name for s in _SPECS if field in s.fields)
 
 

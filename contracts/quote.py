@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from contracts import rules
+from contracts import estimators, rules
 from contracts.jobspec import SEEDS_MEMBER, QueuedJob
 from contracts.kinds import Family, KindSpec, kind_spec, multiplies
 from contracts.plans import bucket_rows
@@ -109,6 +109,7 @@ def _arrays(kind: KindSpec, spec: QueuedJob, of_shape: tuple | None, wrt_shape: 
         "batch": wrt_shape[:1] if wrt_shape else None, "seed": None if k is None else (k,),
         "k": None if k is None else (k,)}
     words["wrt2"] = words["wrt"]
+    words |= estimators.shape_words(kind.fields, spec.probes, spec.steps, _elements(words["wrt"]))
     out = []
     for name, dims in zip(kind.arrays, kind.dims, strict=True):
         parts = [words.get(d) for d in dims]
@@ -140,6 +141,9 @@ def _passes(kind: KindSpec, spec: QueuedJob, mode: str, of_shape: tuple | None, 
         return Passes(unit="products", count=count, estimate=False,
                       note="one product a seed" if per == 1 else "a JVP and a VJP a seed")
     if kind.family is Family.spectral:
+        if "probes" in kind.fields:
+            count, note = estimators.products(kind.fields, spec.probes, spec.steps, n_wrt)
+            return Passes(unit="products", count=count, estimate=estimators.is_quadrature(kind.fields), note=note)
         algorithm = kind.spectrum.algorithm if kind.spectrum else ""
         if algorithm == "trace_estimate":
             samples = spec.samples or 100

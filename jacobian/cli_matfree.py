@@ -1,7 +1,7 @@
 """The options of the matrix-free kinds for ``jacobian compute`` and ``jacobian submit`` (``--seeds``, ``--rank``,
 ``--tol``, ``--max-iterations``, ``--allow-unconverged``, ``--samples``; the curvature kinds' ``--loss``,
-``--labels``, ``--damping``, ``--curvature``: each the request field of its name) and the seeds file they read;
-the kinds themselves run through ``jacobian.cli_compute`` like every other."""
+``--labels``, ``--damping``, ``--curvature``; ``--probes``, ``--steps``, ``--sigma``: each the request field of its
+name) and the seeds file they read; the kinds themselves run through ``jacobian.cli_compute`` like every other."""
 
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", choices=LOSSES, help="ggn_vp, fisher_vp, ggn_eig, ggn_trace, ihvp --curvature ggn: the "
                    "loss on --of (its Gauss-Newton matrix, or its empirical Fisher)")
     p.add_argument("--labels", metavar="NAME", help="fisher_vp: the member of the --input .npz that holds the labels")
-    p.add_argument("--damping", type=float, help="ihvp: solve (A + damping I) x = v, damping > 0")
+    p.add_argument("--damping", type=float, help="ihvp: solve (A + damping I) x = v, damping > 0; logdet: log det(H "
+                   "+ damping I) (default 0)")
+    p.add_argument("--probes", type=int, help="hessian_diag: Rademacher probes (default 100; exact for a small wrt); "
+                   "spectral_density, logdet: Lanczos start vectors (default 10)")
+    p.add_argument("--steps", type=int, help="spectral_density, logdet: Lanczos steps per probe (default 50)")
+    p.add_argument("--sigma", type=float, help="spectral_density: Gaussian smoothing width (default 1%% of the range "
+                   "of the Ritz values)")
     p.add_argument("--curvature", choices=tuple(CURVATURES), help="ihvp: the matrix A (default hessian)")
 
 

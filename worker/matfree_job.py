@@ -1,12 +1,14 @@
 """A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp``, ``ggn_vp``, ``fisher_vp`` (products of ``seeds``),
-``svd``, ``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace`` (spectra) and ``ihvp`` (solves) computed by
+``svd``, ``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace``, ``hessian_diag``, ``spectral_density``,
+``logdet`` (spectra) and ``ihvp`` (solves) computed by
 ``worker.engine.matfree``/``spectra``/``solve`` without forming the matrix, written as arrays of the job's result
 group (``{job}/result.zarr``) with ``dimension_names``, the group sealed and ``manifest.json`` written last, as for
 the dense kinds (``worker.pipeline``).
 
 Arrays (DESIGN.md, "Storage"): ``products`` ``(seed,) + of`` (jvp) or ``(seed,) + wrt``; ``S (k,)``, ``U (k,) +
 of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d);
-``solutions (seed,) + wrt``, ``residuals (seed,)``, ``iterations (seed,)`` (ihvp). The
+``solutions (seed,) + wrt``, ``residuals (seed,)``, ``iterations (seed,)`` (ihvp); ``diagonal`` and ``stderr``
+(``wrt``); ``density`` and ``grid`` ``(grid,)``, ``nodes`` and ``weights`` ``(probe, step)``; ``logdet``. The
 ``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt`` axis for several (``wrt_slices`` in the
 group's attributes says where each lies). Products are written block by block with commit markers (a retried
 job computes only the blocks not committed); the spectra start over when retried.
@@ -48,10 +50,10 @@ def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
 @dataclass
 class MatFreeRun:
     """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``, ``rank``, ``tol``,
-    ``max_iterations``, ``allow_unconverged``, ``samples``), ``chunk_size`` (None: planned from memory),
-    ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds, ``block_bytes``
-    (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a shard, its seeds
-    ``rows`` written into the existing array."""
+    ``max_iterations``, ``allow_unconverged``, ``samples``, ``probes``, ...), ``chunk_size`` (None: planned from
+    memory), ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds,
+    ``block_bytes`` (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a
+    shard, its seeds ``rows`` written into the existing array."""
 
     results_url: str
     job_id: str
@@ -65,6 +67,9 @@ class MatFreeRun:
     curvature: str | None = None
     max_iterations: int | None = None
     allow_unconverged: bool = False
+    probes: int | None = None
+    steps: int | None = None
+    sigma: float | None = None
     chunk_size: int | None = None
     on_progress: Callable[[int, int | None], None] | None = None
     should_stop: Callable[[], bool] | None = None
@@ -211,25 +216,33 @@ def _runs(writer: Any, held_bytes: int) -> list[tuple[int, int]]:
 
 
 def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str, list[str]]) -> None:
-    """The spectra's arrays (at most ``rank`` vectors): written whole, vectors in the axes' shapes."""
+    """The spectra's arrays (a few vectors, a diagonal, a density): written whole, flat ``of`` and ``wrt`` axes in
+    their tensors' shapes (the kind's ``dims``)."""
     import zarr
 
     attrs = jsonable({**_attrs(op, kind), **result.attributes()})
-    if "stderr" in result.arrays:  # the trace's standard error, for readers of the trace array alone
-        attrs["stderr_value"] = float(np.asarray(result.arrays["stderr"]))
+    stderr = result.arrays.get("stderr")
+    if stderr is not None and np.ndim(stderr) == 0:  # a 0-d value's standard error, for readers of its array alone
+        attrs["stderr_value"] = float(np.asarray(stderr))
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
     words = kind_spec(kind)
     for name, value in result.arrays.items():
-        data = np.asarray(value)
-        along = words.dims_of(name)[-1:] if name in words.arrays else ()
-        if along in (("wrt",), ("of",)) and data.ndim == 2 and len(dims[name]) != 2:   # flat vectors in their shapes
-            data = data.reshape((data.shape[0],) + tuple(op.axis.shape if along == ("wrt",) else op.of_shape))
+        data = _shaped(np.asarray(value), words.dims_of(name) if name in words.arrays else (), op)
         names = dims.get(name) or [f"{name}_{i}" for i in range(data.ndim)]
         if len(names) != data.ndim:
             names = [f"{name}_{i}" for i in range(data.ndim)]
         array = group.create_array(name, shape=data.shape, dtype=data.dtype, fill_value=0, dimension_names=names,
                                    attributes=attrs)
         array[...] = data
+
+
+def _shaped(data: np.ndarray, words: tuple[str, ...], op: Any) -> np.ndarray:
+    """``data`` with its trailing flat ``of`` or ``wrt`` axis in that tensor's shape (``words``: the array's
+    ``KindSpec.dims``, the other axes leading, e.g. ``("k", "wrt")``)."""
+    tail = {"of": tuple(op.of_shape), "wrt": tuple(op.axis.shape)}
+    if not words or words[-1] not in tail or data.ndim != len(words):
+        return data
+    return data.reshape(data.shape[:-1] + tail[words[-1]])
 
 
 def _attrs(op: Any, kind: str) -> dict[str, Any]:

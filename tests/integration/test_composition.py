@@ -207,6 +207,9 @@ EVERY_KIND = {
     "ggn_trace": {"of": "y", "wrt": "x", "loss": "softmax_cross_entropy", "samples": 15},
     "ihvp": {"of": "y", "wrt": "x", "curvature": "ggn", "loss": "mse", "damping": 0.1, "tol": 1e-10,
              "seeds": SEEDS_WRT},
+    "hessian_diag": {"of": "loss", "wrt": "x", "probes": 15},
+    "spectral_density": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15},
+    "logdet": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15, "damping": 200.0},
 }
 T = np.random.default_rng(6).normal(size=(3, 4))   # fisher_vp's labels: the input "t", which the signature lacks
 
@@ -245,5 +248,11 @@ def test_every_kind_succeeds_with_progress_plan_and_preview(client, redis_conn, 
             "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2], "hessian_trace": np.trace(H),
             "ggn_vp": SEEDS_WRT.reshape(2, 15) @ G, "fisher_vp": SEEDS_WRT.reshape(2, 15) @ F,
             "ggn_eig": sorted(np.linalg.eigvalsh(G), key=abs, reverse=True)[:2], "ggn_trace": np.trace(G),
-            "ihvp": np.linalg.solve(G + 0.1 * np.eye(15), SEEDS_WRT.reshape(2, 15).T).T}[kind]
+            "ihvp": np.linalg.solve(G + 0.1 * np.eye(15), SEEDS_WRT.reshape(2, 15).T).T,
+            "hessian_diag": np.diag(H), "logdet": np.linalg.slogdet(H + 200.0 * np.eye(15))[1],
+            "spectral_density": None}[kind]
+    if want is None:   # the density: the eigenvalues smoothed on the result's grid (unit start vectors: exact)
+        grid, sigma = ds["grid"].values, ds.attrs["sigma"]
+        z = (grid[:, None] - np.linalg.eigvalsh(H)[None]) / sigma
+        want = np.exp(-0.5 * z * z).sum(axis=1) / (15 * sigma * np.sqrt(2 * np.pi))
     np.testing.assert_allclose(got.reshape(np.shape(want)), want, rtol=1e-7, atol=1e-10)

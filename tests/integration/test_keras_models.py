@@ -108,6 +108,9 @@ MORE = {   # the other kinds of the registry on functional.keras
     "svd": {"of": "y", "wrt": "x", "rank": 2, "tol": 1e-6},
     "hessian_eig": {"of": "loss", "wrt": "x", "rank": 2, "tol": 1e-6},
     "hessian_trace": {"of": "loss", "wrt": "x", "samples": 40},
+    "hessian_diag": {"of": "loss", "wrt": "x", "probes": 12},
+    "spectral_density": {"of": "loss", "wrt": "x", "probes": 12, "steps": 12},
+    "logdet": {"of": "loss", "wrt": "x", "probes": 12, "steps": 12, "damping": 100.0},
 }
 
 
@@ -127,14 +130,21 @@ def test_other_kinds_equal_gradient_tape(worker_client, redis_conn, keras_model,
                                              "inputs": {"x": tensor(X)}, **MORE[kind]})
     assert r.status_code == 202, r.text
     record = finished_job(worker_client, redis_conn, r.json()["id"])
-    got = np.asarray(xr.open_zarr(record["result"]["uri"])[KINDS[kind].main_array].values)
+    ds = xr.open_zarr(record["result"]["uri"])
+    got = np.asarray(ds[KINDS[kind].main_array].values)
     model = keras_model["functional"]
     J = tape(model, {"x": X}, "y", "x", "jacobian").reshape(8, 12)
     H = tape(model, {"x": X}, "loss", "x", "hessian").reshape(12, 12)
     want = {"vjp": SEEDS_OF.reshape(2, 8) @ J, "hvp": SEEDS.reshape(2, 12) @ H,
             "svd": np.linalg.svd(J, compute_uv=False)[:2],
             "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2],
-            "hessian_trace": np.trace(H)}[kind]
+            "hessian_trace": np.trace(H), "hessian_diag": np.diag(H),
+            "logdet": np.linalg.slogdet(H + 100.0 * np.eye(12))[1], "spectral_density": None}[kind]
+    if want is None:   # the eigenvalues smoothed on the result's grid (unit start vectors: exact)
+        z = (ds["grid"].values[:, None] - np.linalg.eigvalsh(H)[None]) / ds.attrs["sigma"]
+        want = np.exp(-0.5 * z * z).sum(axis=1) / (12 * ds.attrs["sigma"] * np.sqrt(2 * np.pi))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * want.max())   # float32 Ritz values
+        return
     np.testing.assert_allclose(got.reshape(np.shape(want)), want, **TOL)
 
 

@@ -47,6 +47,11 @@ def test_submit_sends_seeds_in_the_npz_and_the_options_as_query(seen, tmp_path, 
     assert code == 0
     assert (seen[1].url.params["rank"], seen[1].url.params["tol"]) == ("3", "1e-06")
     assert "__seeds__" not in np.load(io.BytesIO(seen[1].content)).files
+    code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--of", "loss", "--kind",
+                     "logdet", "--probes", "20", "--steps", "30", "--damping", "0.5"])
+    assert code == 0
+    params = seen[2].url.params
+    assert (params["probes"], params["steps"], params["damping"]) == ("20", "30", "0.5") and "sigma" not in params
 
 
 def test_unreadable_seeds_are_refused_naming_the_option(seen, tmp_path, capsys):

@@ -13,6 +13,8 @@ naming the fix, as the rest of the rulebook does: the engine turns them into ``I
   ``hessian_eig``: Lanczos steps, default ``max(20 rank, 100)``): at least 1; ``samples``
   (``hessian_trace``): at least 2, for a standard error (Hutch++ needs 6: two thirds of them deflate, a third
   estimate what is left).
+- ``probes`` (``hessian_diag``, ``spectral_density``, ``logdet``): at least 2; ``steps``: 1 to ``MAX_STEPS``, and one
+  probe's Lanczos basis within ``BASIS_BYTES`` (``contracts.estimators``); ``sigma`` positive; ``damping`` finite.
 - The Hessian kinds (``hvp``, ``hessian_eig``, ``hessian_trace``): ``of`` of one element, or
   ``reduce='sum'`` (``contracts.rules.check_hessian``).
 """
@@ -23,6 +25,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from contracts import estimators
 from contracts.kinds import kind_spec
 from contracts.rules import MATRIX_FREE_HESSIAN_KINDS, RuleViolation, check_hessian, fmt_shape
 
@@ -93,6 +96,53 @@ def check_samples(samples: object, *, method: str = "auto") -> int:
         raise RuleViolation(f"samples: must be an integer of at least {least} (a standard error needs several "
                             f"samples), got {samples!r}; the default is {DEFAULT_SAMPLES}", field="samples")
     return int(samples)
+
+
+def check_probes(probes: object, *, kind: str) -> int:
+    """``probes``: random vectors of an estimate (``hessian_diag``, the quadrature kinds), at least 2 for a standard
+    error; None: the kind's default (``contracts.estimators``)."""
+    default = estimators.default_probes(kind_spec(kind).fields)
+    if probes is None:
+        return default
+    if not _is_int(probes) or probes < MIN_SAMPLES:
+        raise RuleViolation(f"probes: must be an integer of at least {MIN_SAMPLES} (a standard error needs several "
+                            f"probes), got {probes!r}; the default is {default}", field="probes")
+    return int(probes)
+
+
+def check_steps(steps: object, *, n: int) -> int:
+    """``steps``: Lanczos steps per probe (None: the default); each keeps a float64 basis vector of the wrt size
+    ``n`` per probe, so one probe's basis must fit ``contracts.estimators.BASIS_BYTES``."""
+    if steps is None:
+        steps = estimators.SLQ_STEPS
+    if not _is_int(steps) or not 1 <= steps <= estimators.MAX_STEPS:
+        raise RuleViolation(f"steps: must be an integer from 1 to {estimators.MAX_STEPS}, got {steps!r}; the default "
+                            f"is {estimators.SLQ_STEPS}", field="steps")
+    most = max(1, estimators.BASIS_BYTES // (8 * max(1, n)) - 1)
+    if min(int(steps), n) > most:
+        raise RuleViolation(f"steps: {steps} Lanczos steps over a wrt of {n} elements keep "
+                            f"{8 * (min(int(steps), n) + 1) * n} bytes of basis vectors per probe, over "
+                            f"{estimators.BASIS_BYTES}; ask for at most {most} steps", field="steps")
+    return int(steps)
+
+
+def check_sigma(sigma: object) -> float | None:
+    """``sigma``: the density's Gaussian width, positive and finite (None: from the Ritz values' range)."""
+    if sigma is None:
+        return None
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma <= 0:
+        raise RuleViolation(f"sigma: must be a positive width in eigenvalue units, got {sigma!r}; omit it for "
+                            f"{estimators.SIGMA_FRACTION:g} x the range of the Ritz values", field="sigma")
+    return float(sigma)
+
+
+def check_damping(damping: object) -> float:
+    """``damping``: the shift of log det(H + damping I), a finite number (None: 0)."""
+    if damping is None:
+        return 0.0
+    if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or not math.isfinite(damping):
+        raise RuleViolation(f"damping: must be a finite number, got {damping!r}; e.g. 1e-3", field="damping")
+    return float(damping)
 
 
 def check_seeds(kind: str, shape: Sequence[int], *, of_shape: Sequence[int], wrt_shape: Sequence[int]) -> int:

@@ -44,6 +44,8 @@ a warm start converges in fewer iterations to the same tolerance, so results dif
   plain samples win). Plain Hutchinson on request (or under 6 samples), and the exact trace (``n``
   products with unit vectors, standard error 0) when ``samples >= n_wrt``. ``attrs["estimates"]``
   holds every estimate computed.
+- ``hessian_diag``, ``spectral_density``, ``logdet``: ``worker.engine.estimating`` (the diagonal, Lanczos
+  quadrature) on the products the kind applies.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from contracts.kinds import applied_product, kind_spec
-from worker.engine import matfree_rules, trace_cache
+from worker.engine import estimating, matfree_rules, trace_cache
 from worker.engine.convergence import converged as _converged
 from worker.engine.convergence import not_converged as _not_converged
 from worker.engine.convergence import relative as _relative
@@ -369,4 +371,5 @@ def spectral(op: Operator, kind: str, **options: Any) -> MatFreeResult:
 
 ALGORITHMS: dict[str, Callable[..., MatFreeResult]] = {"subspace_iteration": svd, "lanczos": hessian_eig,
                                                         "trace_estimate": hessian_trace,
-                                                        "conjugate_gradients": conjugate_gradients}
+                                                        "conjugate_gradients": conjugate_gradients,
+                                                        **estimating.ALGORITHMS}

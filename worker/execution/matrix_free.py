@@ -1,6 +1,7 @@
 """The matrix-free families: ``products`` (``jvp``, ``vjp``, ``hvp``, ``ggn_vp``, ``fisher_vp`` of given seeds,
 streamed into ``products`` block by block, resumed and sharded by storage blocks of seeds) and ``spectral`` (``svd``,
-``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace``, and the solves of ``ihvp``: computed whole). A
+``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace``, ``hessian_diag``, ``spectral_density``, ``logdet``,
+and the solves of ``ihvp``: computed whole). A
 ``loss`` gives the operator its curvature products (``worker.engine.curvature``), ``labels`` taken from the inputs.
 Both run on one memory-planned ``Operator``, kept per worker for the next job on the same request
 (``worker.execution.operators``)."""
