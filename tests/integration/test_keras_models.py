@@ -9,6 +9,7 @@ import pytest
 
 from tests import keras_models
 from tests.conftest import finished_job
+from tests.engine.reference import curvature_references
 
 pytestmark = pytest.mark.integration
 X = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
@@ -63,6 +64,11 @@ def tape(model, inputs: dict, of: str, wrt: str, how: str) -> np.ndarray:
     return (t.batch_jacobian if how == "batch_jacobian" else t.jacobian)(y, tensors[wrt]).numpy()
 
 
+def tape_value(model, x: np.ndarray, of: str) -> np.ndarray:
+    out = model(x)
+    return np.asarray((out if isinstance(out, dict) else dict(zip(model.output_names, [out])))[of])
+
+
 def test_signature_lists_inputs_and_outputs(client):
     r = client.get("/v1/models/signature", params={"path": "multi.keras"})
     assert r.status_code == 200, r.text
@@ -102,6 +108,7 @@ CASES = {   # kind: (model, inputs, options)
 
 
 SEEDS_OF = np.random.default_rng(3).normal(size=(2, 4, 2)).astype(np.float32)
+LABELS = np.random.default_rng(4).normal(size=(4, 2)).astype(np.float32)   # fisher_vp's labels, y's shape
 MORE = {   # the other kinds of the registry on functional.keras
     "vjp": {"of": "y", "wrt": "x", "seeds": tensor(SEEDS_OF)},
     "hvp": {"of": "loss", "wrt": "x", "seeds": tensor(SEEDS)},
@@ -111,6 +118,12 @@ MORE = {   # the other kinds of the registry on functional.keras
     "hessian_diag": {"of": "loss", "wrt": "x", "probes": 12},
     "spectral_density": {"of": "loss", "wrt": "x", "probes": 12, "steps": 12},
     "logdet": {"of": "loss", "wrt": "x", "probes": 12, "steps": 12, "damping": 100.0},
+    "ggn_vp": {"of": "y", "wrt": "x", "loss": "mse", "seeds": tensor(SEEDS)},
+    "fisher_vp": {"of": "y", "wrt": "x", "loss": "mse", "labels": "t", "seeds": tensor(SEEDS),
+                  "inputs": {"x": tensor(X), "t": tensor(LABELS)}},
+    "ggn_eig": {"of": "y", "wrt": "x", "loss": "mse", "rank": 2, "tol": 1e-6},
+    "ggn_trace": {"of": "y", "wrt": "x", "loss": "mse", "samples": 40},
+    "ihvp": {"of": "loss", "wrt": "x", "damping": 100.0, "seeds": tensor(SEEDS), "tol": 1e-6},
 }
 
 
@@ -127,7 +140,7 @@ def test_other_kinds_equal_gradient_tape(worker_client, redis_conn, keras_model,
     from contracts.kinds import KINDS
 
     r = worker_client.post("/v1/jobs", json={"model": {"path": "functional.keras"}, "kind": kind,
-                                             "inputs": {"x": tensor(X)}, **MORE[kind]})
+                                             "inputs": {"x": tensor(X)}, **MORE[kind]})   # fisher_vp: its inputs
     assert r.status_code == 202, r.text
     record = finished_job(worker_client, redis_conn, r.json()["id"])
     ds = xr.open_zarr(record["result"]["uri"])
@@ -135,7 +148,11 @@ def test_other_kinds_equal_gradient_tape(worker_client, redis_conn, keras_model,
     model = keras_model["functional"]
     J = tape(model, {"x": X}, "y", "x", "jacobian").reshape(8, 12)
     H = tape(model, {"x": X}, "loss", "x", "hessian").reshape(12, 12)
+    G, F, _ = curvature_references(J, tape_value(model, X, "y"), "mse", LABELS)
     want = {"vjp": SEEDS_OF.reshape(2, 8) @ J, "hvp": SEEDS.reshape(2, 12) @ H,
+            "ggn_vp": SEEDS.reshape(2, 12) @ G, "fisher_vp": SEEDS.reshape(2, 12) @ F,
+            "ggn_eig": sorted(np.linalg.eigvalsh(G), key=abs, reverse=True)[:2], "ggn_trace": np.trace(G),
+            "ihvp": np.linalg.solve(H + 100.0 * np.eye(12), SEEDS.reshape(2, 12).T).T,
             "svd": np.linalg.svd(J, compute_uv=False)[:2],
             "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2],
             "hessian_trace": np.trace(H), "hessian_diag": np.diag(H),
