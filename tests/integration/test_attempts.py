@@ -70,9 +70,9 @@ def test_a_shard_over_the_job_timeout_fails_the_job_as_job_timeout(worker_env, r
 
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed, rec
-    assert rec.error["type"] == "JobTimeout", rec.error
-    assert rec.error["message"].startswith("shard 1 of 2"), rec.error
-    assert "4 s" in rec.error["message"] and "JACOBIAN_JOB_TIMEOUT_S" in rec.error["message"]
+    assert rec.error.type == "JobTimeout", rec.error
+    assert rec.error.message.startswith("shard 1 of 2"), rec.error
+    assert "4 s" in rec.error.message and "JACOBIAN_JOB_TIMEOUT_S" in rec.error.message
     shard = Job.fetch(shard_job_id(job_id, 0), connection=redis_conn, serializer=JSONSerializer)
     assert shard.get_status() == RqStatus.FAILED
     assert not (Path(results) / job_id / "manifest.json").exists()
