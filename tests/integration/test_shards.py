@@ -259,7 +259,7 @@ def test_sharded_results_equal_unsharded_bitwise_with_two_workers(pool):
         assert not Job.exists(finalizer_job_id(rec.id), connection=pool.conn)  # one piece: no finalizer
     for name, rec in recs.items():
         assert result_bytes(rec) == result_bytes(ref_recs[(name[:3], rec.plan.strategy)]), name
-    np.testing.assert_allclose(zarr.open_array(recs["mlp2"].result["uri"] + "/jacobian", mode="r")[:],
+    np.testing.assert_allclose(zarr.open_array(recs["mlp2"].result.uri + "/jacobian", mode="r")[:],
                                tape_jacobian(pool.model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
 
@@ -483,7 +483,7 @@ def test_cancel_stops_running_shards_between_chunks(env, redis_conn, model_root,
 
     def update(self, job_id, index, progress, **kw):  # cancel once shard 1 reported its first chunk
         real_update(self, job_id, index, progress, **kw)
-        if progress["rows_done"] >= 2:
+        if progress.rows_done >= 2:
             self.set_fields(job_id, cancel_requested=True)
 
     monkeypatch.setattr(JobStore, "update_shard_progress", update)
