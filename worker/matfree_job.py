@@ -50,7 +50,7 @@ def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
 @dataclass
 class MatFreeRun:
     """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``, ``rank``, ``tol``,
-    ``max_iterations``, ``allow_unconverged``, ``samples``, ``probes``, ...), ``chunk_size`` (None: planned from
+    ``max_iterations``, ``allow_unconverged``, ``samples``, ``probes``, ...), ``chunk_rows`` (None: planned from
     memory), ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds,
     ``block_bytes`` (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a
     shard, its seeds ``rows`` written into the existing array."""
@@ -70,7 +70,7 @@ class MatFreeRun:
     probes: int | None = None
     steps: int | None = None
     sigma: float | None = None
-    chunk_size: int | None = None
+    chunk_rows: int | None = None
     on_progress: Callable[[int, int | None], None] | None = None
     should_stop: Callable[[], bool] | None = None
     manifest_fields: dict[str, Any] | None = None
@@ -87,7 +87,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     from worker.engine import spectra
 
     run = MatFreeRun(results_url=results_url, job_id=job_id, **options)
-    chunk_size = run.chunk_size
+    chunk_rows = run.chunk_rows
     on_progress, should_stop = run.on_progress, run.should_stop
     base = storage.normalize(job_url(results_url, job_id))
     group_url = storage.join(base, RESULT_GROUP)
@@ -110,7 +110,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                 for f in spec.fields}
         if spec.seeds is not None:
             args["seeds"] = _required(run.seeds, "seeds", kind)
-        result = spectra.spectral(op, kind, **args, chunk_size=chunk_size, progress=on_progress,
+        result = spectra.spectral(op, kind, **args, chunk_rows=chunk_rows, progress=on_progress,
                                   should_stop=should_stop)
         _write_small(group_url, op, kind, result, dims)
     seconds = time.monotonic() - t0
@@ -162,7 +162,7 @@ def _products(op: Any, kind: str, run: MatFreeRun) -> Any:
     from worker.engine.matfree import run_products
 
     seeds = np.asarray(run.seeds)
-    on_progress, should_stop, chunk_size = run.on_progress, run.should_stop, run.chunk_size
+    on_progress, should_stop, chunk_rows = run.on_progress, run.should_stop, run.chunk_rows
     k = int(seeds.shape[0]) if seeds.ndim else 0
     dtype = np.dtype(op.dtype)
     writer = products_writer(op, kind, k, run.results_url, run.job_id, block_bytes=run.block_bytes, rows=run.rows,
@@ -181,7 +181,7 @@ def _products(op: Any, kind: str, run: MatFreeRun) -> Any:
                 if on_progress is not None:
                     on_progress(before + seeds_done, writer.rows_total)
 
-            result = run_products(op, kind, seeds[start:stop], chunk_size=chunk_size, progress=progress,
+            result = run_products(op, kind, seeds[start:stop], chunk_rows=chunk_rows, progress=progress,
                                   should_stop=should_stop, on_chunk=keep)
             spent = {name: spent.get(name, 0) + count for name, count in result.products.items()}
             done += stop - start
@@ -268,7 +268,7 @@ def compute_products_shard(op: Any, kind: str, seeds: np.ndarray, *, results_url
                            rows: tuple[int, int], **options: Any) -> dict[str, int]:
     """One shard of a sharded product job: seeds ``rows`` into the ``products`` array its planner created
     (``products_writer(create=True)``), resuming from the committed blocks; returns the products spent.
-    ``options``: ``block_bytes``, ``chunk_size``, ``on_progress``, ``should_stop`` (``MatFreeRun``)."""
+    ``options``: ``block_bytes``, ``chunk_rows``, ``on_progress``, ``should_stop`` (``MatFreeRun``)."""
     run = MatFreeRun(results_url=results_url, job_id=job_id, seeds=np.asarray(seeds), rows=rows, create=False,
                      **options)
     result, _ = _products(op, kind, run)

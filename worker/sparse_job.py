@@ -234,7 +234,7 @@ def compute_compressed(ctx: RunContext, setup: SparseSetup, writer: Any,
                 done["colours"] += len(rows)
                 report(done["colours"])
 
-            op.apply(kind, seeds[start:stop], chunk_size=ctx.chunk_rows, should_stop=ctx.should_stop, on_chunk=keep,
+            op.apply(kind, seeds[start:stop], chunk_rows=ctx.chunk_rows, should_stop=ctx.should_stop, on_chunk=keep,
                      keep=False)
         writer.close()
     except Stopped:

@@ -133,7 +133,7 @@ def test_progress_seeds_and_cancel(built):
 
     op = built(CASES[1]).op
     seen: list[tuple[int, int | None]] = []
-    first = spectral_density(op, 5, 8, seed=7, chunk_size=2, progress=lambda d, t: seen.append((d, t)))
+    first = spectral_density(op, 5, 8, seed=7, chunk_rows=2, progress=lambda d, t: seen.append((d, t)))
     assert seen[-1][0] == seen[-1][1] == first.products["hvp"] == 5 * 8
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     again = spectral_density(op, 5, 8, seed=7)
@@ -147,4 +147,4 @@ def test_progress_seeds_and_cancel(built):
         return len(calls) > 2
 
     with pytest.raises(Stopped):
-        hessian_diag(op, 10, method="hutchinson", chunk_size=2, should_stop=stop)
+        hessian_diag(op, 10, method="hutchinson", chunk_rows=2, should_stop=stop)

@@ -177,7 +177,7 @@ def test_compressed_products_recover_the_jacobian(sparse_loaded, mode):
     pattern = compressed.sorted_pattern(pattern)
     op = build_operator(model, inputs, of="out", wrt="image")
     c = colour(pattern, mode)
-    products = compressed.compute(op, c, chunk_size=7)
+    products = compressed.compute(op, c, chunk_rows=7)
     rows, cols, values = compressed.entries(pattern, c, products, 0, pattern.shape[0])
     assert np.all(np.diff(rows) >= 0)
     got = sp.coo_array((values, (rows, cols)), shape=pattern.shape).toarray()

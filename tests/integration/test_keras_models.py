@@ -227,8 +227,8 @@ def test_missing_custom_class_refused_at_the_worker(worker_env, redis_conn, monk
         work_burst(redis_conn)
         record = JobStore(redis_conn).get(r.json()["id"])
     assert record.status.value == "failed", record
-    assert record.error["type"] == "InvalidRequest", record.error
-    assert "'jt>Scale'" in record.error["message"] and "JACOBIAN_KERAS_CUSTOM_OBJECTS" in record.error["message"]
+    assert record.error.type == "InvalidRequest", record.error
+    assert "'jt>Scale'" in record.error.message and "JACOBIAN_KERAS_CUSTOM_OBJECTS" in record.error.message
 
 
 def test_lambda_layer_runs_where_the_operator_turned_safe_mode_off(worker_env, redis_conn, model_root):

@@ -1,7 +1,7 @@
 """The estimating spectral kinds on an ``Operator``: ``hessian_diag`` (the diagonal), ``spectral_density`` and
 ``logdet`` (stochastic Lanczos quadrature), by ``worker.engine.estimators`` on a ``matvec`` of the product the kind's
 spec applies (``contracts.kinds.applied_product``: ``hvp`` for H; a Gauss-Newton kind passes ``ggn_vp``). Products
-run batched and chunked through ``op.apply`` (``chunk_size``; cancel between chunks raises ``Stopped``);
+run batched and chunked through ``op.apply`` (``chunk_rows``; cancel between chunks raises ``Stopped``);
 ``progress(done, total)`` counts products; ``seed`` makes the random probes, hence the result, reproducible.
 ``worker.engine.spectra.spectral`` runs them by their ``Spectrum.algorithm``."""
 
@@ -28,10 +28,10 @@ class _Counted:
     """``matvec``: the kind's product on a block of vectors (float64), its progress counted in products of
     ``total``; ``products``: what the run spent, by kind."""
 
-    def __init__(self, op: Operator, kind: str, product: str, total: int, *, chunk_size: int | None = None,
+    def __init__(self, op: Operator, kind: str, product: str, total: int, *, chunk_rows: int | None = None,
                  progress: Progress | None = None, should_stop: StopCheck | None = None) -> None:
         self.op, self.product, self.total, self.done = op, product, total, 0
-        self.chunk_size, self.progress, self.should_stop = chunk_size, progress, should_stop
+        self.chunk_rows, self.progress, self.should_stop = chunk_rows, progress, should_stop
         self.before = dict(op.counts)
         if kind_spec(product).scalar_of:   # the Hessian's rule: a scalar of (or reduce='sum')
             op.require_hessian(kind)
@@ -46,7 +46,7 @@ class _Counted:
         def chunk(start: int, rows: np.ndarray) -> None:
             self.report(base + start + len(rows), self.total)
 
-        out = self.op.apply(self.product, vectors, chunk_size=self.chunk_size, should_stop=self.should_stop,
+        out = self.op.apply(self.product, vectors, chunk_rows=self.chunk_rows, should_stop=self.should_stop,
                             on_chunk=chunk)
         self.done += len(vectors)
         return out.astype(np.float64)
@@ -63,7 +63,7 @@ def hessian_diag(op: Operator, probes: int | None = None, *, kind: str = "hessia
                  method: str = "auto", seed: int = 0, **run: Any) -> MatFreeResult:
     """diag(A) of the applied product's matrix (``estimators.diagonal``): ``diagonal`` and ``stderr`` ``(n_wrt,)``;
     ``method`` ``auto`` (exact for a small wrt or ``probes >= n_wrt``), ``exact`` or ``hutchinson``. ``run``:
-    ``chunk_size``, ``progress``, ``should_stop``."""
+    ``chunk_rows``, ``progress``, ``should_stop``."""
     probes = _ruled(matfree_rules.check_probes, probes, kind=kind)
     if method not in DIAGONAL_METHODS:
         raise InvalidRequest(f"method: {method!r} is not a diagonal method; use one of "

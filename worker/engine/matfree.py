@@ -2,7 +2,8 @@
 
 ``build_operator`` resolves a request (``of``, ``wrt`` as one name, a list or ``"variables/*"``:
 ``worker.engine.wrt_axis``) and returns an ``Operator`` whose products take a batch of ``k`` seeds
-per compiled call, chunked over the seeds by the caller's ``chunk_size`` (halved on out-of-memory).
+per compiled call, chunked over the seeds by the caller's ``chunk_rows`` (the request's: seeds are the rows of
+the products; halved on out-of-memory).
 Seeds and results are flat along ``wrt``: ``jvp`` ``(k, n_wrt) -> (k,) + of.shape``, ``vjp``
 ``(k,) + of.shape -> (k, n_wrt)``, ``hvp`` ``(k, n_wrt) -> (k, n_wrt)`` (``Operator.axis.unflatten``
 gives ``(k,) + wrt.shape``). A flat seed is split into per-source pieces by the axis' slices; the
@@ -155,10 +156,10 @@ class Operator:
 
     # -- chunks -------------------------------------------------------------------------------
 
-    def apply(self, kind: str, seeds: np.ndarray, *, chunk_size: int | None = None,
+    def apply(self, kind: str, seeds: np.ndarray, *, chunk_rows: int | None = None,
               should_stop: Callable[[], bool] | None = None,
               on_chunk: Callable[[int, np.ndarray], None] | None = None, keep: bool = True) -> np.ndarray:
-        """``kind`` products of flat ``seeds`` ``(k, size)``, ``chunk_size`` seeds per call (None: all at once;
+        """``kind`` products of flat ``seeds`` ``(k, size)``, ``chunk_rows`` seeds per call (None: all at once;
         halved on out-of-memory): ``(k, out size)`` in ``compute_dtype``. ``on_chunk(start, rows)`` hears of each
         chunk; ``should_stop()`` is asked before each and raises ``Stopped``. ``keep=False`` (a caller that
         streams the chunks away through ``on_chunk``) holds no products: the result is then empty."""
@@ -166,8 +167,8 @@ class Operator:
         total = len(seeds)
         if total == 0:
             return np.empty((0, self.n_of if kind_spec(kind).product_axes == "of" else self.n_wrt), self.compute_dtype)
-        planning = chunk_size is None and self.probe is not None and total > FIRST_SEEDS
-        step = max(1, min(chunk_size or self.planned.get(kind) or (FIRST_SEEDS if planning else total), total))
+        planning = chunk_rows is None and self.probe is not None and total > FIRST_SEEDS
+        step = max(1, min(chunk_rows or self.planned.get(kind) or (FIRST_SEEDS if planning else total), total))
         out = np.empty(0)
         start = 0
         while start < total:
@@ -378,7 +379,7 @@ def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None
     return op
 
 
-def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None = None,
+def run_products(op: Operator, kind: str, seeds: Any, *, chunk_rows: int | None = None,
                  progress: Callable[[int, int | None], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
                  on_chunk: Callable[[int, np.ndarray], None] | None = None) -> MatFreeResult:
@@ -401,7 +402,7 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
 
     streamed = on_chunk is not None   # the caller keeps the chunks: none are held here
     method = functools.partial(op.curvature_vp, kind) if kind_spec(kind).curvature else getattr(op, kind)
-    product = method(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk, keep=not streamed)
+    product = method(seeds, chunk_rows=chunk_rows, should_stop=should_stop, on_chunk=chunk, keep=not streamed)
     arrays = {} if streamed else {"products": product if along_of else op.axis.unflatten(product)}
     how = op.labels.get(kind, "") if not kind_spec(kind).curvature else f"J^T M J: {op.labels.get('jvp')} JVPs, " \
         f"{op.labels.get('vjp')} VJPs"

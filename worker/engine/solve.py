@@ -54,7 +54,7 @@ def _checked(damping: object, tol: object, max_iterations: object) -> tuple[floa
 
 
 def conjugate_gradients(op: Operator, seeds: Any, *, damping: float, product: str = "hvp", kind: str = "ihvp",
-                        tol: float | None = None, max_iterations: int | None = None, chunk_size: int | None = None,
+                        tol: float | None = None, max_iterations: int | None = None, chunk_rows: int | None = None,
                         progress: Callable[[int, int | None], None] | None = None,
                         should_stop: Callable[[], bool] | None = None) -> MatFreeResult:
     """``(A + damping I)^-1 v`` for seeds ``(k,) + wrt.shape`` (or flat), ``A`` the matrix of ``product``:
@@ -66,7 +66,7 @@ def conjugate_gradients(op: Operator, seeds: Any, *, damping: float, product: st
     damping, tol, max_iterations = _checked(damping, tol, max_iterations)
     b = op._seeds(kind, seeds).astype(np.float64)
     k = len(b)
-    run = _Run(op, chunk_size, progress, should_stop)
+    run = _Run(op, chunk_rows, progress, should_stop)
 
     def matvec(v: np.ndarray) -> np.ndarray:
         return run.apply(product, v) + damping * v

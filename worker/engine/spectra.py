@@ -1,7 +1,7 @@
 """Spectra without the matrix: singular values of J, eigenpairs and the trace of H, from products alone.
 
 All three take an ``Operator`` (``worker.engine.matfree``), run its batched products chunk by chunk
-(``chunk_size`` seeds per call), keep their small dense algebra in float64 on the host, and return a
+(``chunk_rows`` seeds per call), keep their small dense algebra in float64 on the host, and return a
 ``MatFreeResult`` with the arrays in the operator's dtype, the residuals, the iterations and the
 products they used. ``progress(iteration, total or None)`` hears of each iteration (``hessian_trace``:
 of the products done, out of ``samples``); ``should_stop()`` is asked between iterations and between
@@ -76,14 +76,14 @@ StopCheck = Callable[[], bool]
 class _Run:
     """One method's products (through ``op.apply``), its cancel and progress, and the products it used."""
 
-    def __init__(self, op: Operator, chunk_size: int | None, progress: Progress | None,
+    def __init__(self, op: Operator, chunk_rows: int | None, progress: Progress | None,
                  should_stop: StopCheck | None) -> None:
-        self.op, self.chunk_size, self.progress, self.should_stop = op, chunk_size, progress, should_stop
+        self.op, self.chunk_rows, self.progress, self.should_stop = op, chunk_rows, progress, should_stop
         self.before = dict(op.counts)
 
     def apply(self, kind: str, seeds: np.ndarray, on_chunk: Callable[[int, np.ndarray], None] | None = None
               ) -> np.ndarray:
-        out = self.op.apply(kind, seeds, chunk_size=self.chunk_size, should_stop=self.should_stop, on_chunk=on_chunk)
+        out = self.op.apply(kind, seeds, chunk_rows=self.chunk_rows, should_stop=self.should_stop, on_chunk=on_chunk)
         return out.astype(np.float64)
 
     def stop_point(self) -> None:
@@ -108,7 +108,7 @@ def _signed(vectors: np.ndarray) -> np.ndarray:
 
 def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | None = None,
         max_iterations: int | None = None, allow_unconverged: bool = False, seed: int = 0,
-        chunk_size: int | None = None, progress: Progress | None = None,
+        chunk_rows: int | None = None, progress: Progress | None = None,
         should_stop: StopCheck | None = None) -> MatFreeResult:
     """The ``rank`` largest singular values of J (``of`` w.r.t. the wrt axis): ``S (rank,)`` descending,
     ``U (rank,) + of.shape``, ``V (rank, n_wrt)``; residuals ``||J v - s u|| / s`` (see the module docstring).
@@ -118,7 +118,7 @@ def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | 
     rank = _ruled(matfree_rules.check_rank, "svd", rank, of_size=m, wrt_size=n)
     tol = _ruled(matfree_rules.check_tol, tol)
     limit = _ruled(matfree_rules.check_max_iterations, max_iterations, default=matfree_rules.DEFAULT_SVD_ITERATIONS)
-    run = _Run(op, chunk_size, progress, should_stop)
+    run = _Run(op, chunk_rows, progress, should_stop)
     full = min(m, n)
     width = min(rank + (max(5, rank) if oversample is None else max(0, int(oversample))), full)
     rng = np.random.default_rng(seed)
@@ -175,7 +175,7 @@ def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | 
 
 def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iterations: int | None = None,
                 allow_unconverged: bool = False, seed: int = 0, progress: Progress | None = None,
-                should_stop: StopCheck | None = None, chunk_size: int | None = None, product: str = "hvp",
+                should_stop: StopCheck | None = None, chunk_rows: int | None = None, product: str = "hvp",
                 kind: str = "hessian_eig") -> MatFreeResult:
     """The ``rank`` eigenpairs of H (of ``sum(of)`` w.r.t. the wrt axis) of largest magnitude: ``eigenvalues
     (rank,)`` by decreasing magnitude, ``eigenvectors (rank, n_wrt)``; residuals ``||H v - l v||``. ``product``:
@@ -188,7 +188,7 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iterat
     rank = _ruled(matfree_rules.check_rank, kind, rank, of_size=op.n_of, wrt_size=n)
     tol = _ruled(matfree_rules.check_tol, tol)
     limit = _ruled(matfree_rules.check_max_iterations, max_iterations, default=max(20 * rank, 100))
-    run = _Run(op, chunk_size, progress, should_stop)
+    run = _Run(op, chunk_rows, progress, should_stop)
     steps = min(n, max(rank, limit))
     rng = np.random.default_rng(seed)
     basis = np.empty((steps + 1, n))
@@ -277,7 +277,7 @@ def _ritz(alpha: np.ndarray, beta: np.ndarray, rank: int) -> tuple[np.ndarray, n
 
 
 def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "auto", seed: int = 0,
-                  chunk_size: int | None = None, progress: Progress | None = None,
+                  chunk_rows: int | None = None, progress: Progress | None = None,
                   should_stop: StopCheck | None = None, product: str = "hvp",
                   kind: str = "hessian_trace") -> MatFreeResult:
     """tr(H) (of ``sum(of)`` w.r.t. the wrt axis) from ``samples`` HVPs: ``trace`` and its ``stderr`` (0-d).
@@ -291,7 +291,7 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
     if method == "auto":
         method = ("exact" if samples >= n else "hutch++" if samples >= matfree_rules.MIN_HUTCHPP_SAMPLES
                   else "hutchinson")
-    run = _Run(op, chunk_size, progress, should_stop)
+    run = _Run(op, chunk_rows, progress, should_stop)
     rng = np.random.default_rng(seed)
     total = n if method == "exact" else samples
     done = 0
@@ -313,7 +313,7 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
     estimates: dict[str, dict[str, float]] = {}
     if method == "exact":
         diagonal = np.empty(n)
-        step = chunk_size or n
+        step = chunk_rows or n
         for start in range(0, n, step):   # unit vectors made a chunk at a time: never an n x n array
             stop = min(n, start + step)
             eye = np.zeros((stop - start, n))

@@ -91,7 +91,7 @@ class ProductsExecutor(Executor):
         op, seeds = operator(ctx)
         start, stop = job.rows or (0, 0)
         spent = compute_products_shard(op, job.kind.value, seeds, results_url=job.results_url, job_id=job.id,
-                                       rows=(start, stop), block_bytes=split.block_bytes, chunk_size=job.chunk_rows,
+                                       rows=(start, stop), block_bytes=split.block_bytes, chunk_rows=job.chunk_rows,
                                        on_progress=ctx.counter(), should_stop=ctx.should_stop)
         ctx.on_plan({"strategy": "matrix-free", "labels": dict(op.labels), "products": spent,
                      "oom_retries": op.oom_retries})
@@ -120,7 +120,7 @@ def _run_whole(ctx: RunContext, op: Any, **kind_args: Any) -> dict[str, Any]:
     job = ctx.job
     ctx.on_plan({"kind": job.kind.value, "strategy": "matrix-free", "shards": 1})
     manifest = compute_matfree_to_storage(
-        op, job.kind.value, results_url=job.results_url, job_id=job.id, chunk_size=job.chunk_rows,
+        op, job.kind.value, results_url=job.results_url, job_id=job.id, chunk_rows=job.chunk_rows,
         on_progress=ctx.counter(), should_stop=ctx.should_stop, created_at=ctx.created_at,
         block_bytes=ctx.block_bytes, manifest_fields=_manifest_fields(ctx), **kind_args)
     manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}
