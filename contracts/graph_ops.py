@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.savedmodel import SavedModelError, _fields, _map_entry
+from contracts.savedmodel import SavedModelError, map_entry, proto_fields
 
 # SavedModel / MetaGraphDef / GraphDef / FunctionDefLibrary / FunctionDef / OpDef
 _SM_META_GRAPHS = 2
@@ -70,13 +70,13 @@ def _func_names(attr_value: memoryview) -> list[str]:
     """The function names in one ``AttrValue``: its ``func`` and the ``func`` entries of its ``list``,
     and those named by their own attributes (a function passed with attributes that are functions)."""
     names: list[str] = []
-    for number, wire, value in _fields(attr_value):
+    for number, wire, value in proto_fields(attr_value):
         if wire != 2:
             continue
         if number == _AV_FUNC:
             names.extend(_name_attr_list(value))
         elif number == _AV_LIST:
-            for n, w, v in _fields(value):
+            for n, w, v in proto_fields(value):
                 if n == _LV_FUNC and w == 2:
                     names.extend(_name_attr_list(v))
     return names
@@ -84,17 +84,17 @@ def _func_names(attr_value: memoryview) -> list[str]:
 
 def _name_attr_list(buf: memoryview) -> list[str]:
     names: list[str] = []
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if number == _NA_NAME and wire == 2:
             names.append(_text(value))
         elif number == _NA_ATTR and wire == 2:
-            names.extend(_func_names(_map_entry(value)[1]))
+            names.extend(_func_names(map_entry(value)[1]))
     return names
 
 
 def _node(buf: memoryview) -> GraphNode:
     name, op, calls = "", "", []
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if wire != 2:
             continue
         if number == _ND_NAME:
@@ -102,15 +102,15 @@ def _node(buf: memoryview) -> GraphNode:
         elif number == _ND_OP:
             op = _text(value)
         elif number == _ND_ATTR:
-            calls.extend(_func_names(_map_entry(value)[1]))
+            calls.extend(_func_names(map_entry(value)[1]))
     return GraphNode(name=name, op=op, calls=tuple(dict.fromkeys(calls)))
 
 
 def _function(buf: memoryview) -> tuple[str, tuple[GraphNode, ...]]:
     name, nodes = "", []
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if number == _FD_SIGNATURE and wire == 2:
-            name = next((_text(v) for n, w, v in _fields(value) if n == _OD_NAME and w == 2), "")
+            name = next((_text(v) for n, w, v in proto_fields(value) if n == _OD_NAME and w == 2), "")
         elif number == _FD_NODE_DEF and wire == 2:
             nodes.append(_node(value))
     return name, tuple(nodes)
@@ -119,23 +119,23 @@ def _function(buf: memoryview) -> tuple[str, tuple[GraphNode, ...]]:
 def parse_graph_ops(data: bytes) -> GraphOps:
     """Decode the bytes of ``saved_model.pb``: the nodes of ``meta_graphs[0]``'s graph and of every function
     in its library. Raises ``SavedModelError`` when the bytes are not a SavedModel with a meta graph."""
-    meta_graph = next((v for n, w, v in _fields(memoryview(data)) if n == _SM_META_GRAPHS and w == 2), None)
+    meta_graph = next((v for n, w, v in proto_fields(memoryview(data)) if n == _SM_META_GRAPHS and w == 2), None)
     if meta_graph is None:
         raise SavedModelError("no meta graph in saved_model.pb")
     functions: dict[str, tuple[GraphNode, ...]] = {TOP_LEVEL: ()}
     saver: list[str] = []
-    for number, wire, graph in _fields(meta_graph):
+    for number, wire, graph in proto_fields(meta_graph):
         if number == _MG_SAVER_DEF and wire == 2:
-            saver.extend(_node_name(_text(v)) for n, w, v in _fields(graph)
+            saver.extend(_node_name(_text(v)) for n, w, v in proto_fields(graph)
                          if n in (_SD_SAVE_TENSOR, _SD_RESTORE_OP) and w == 2)
         if number != _MG_GRAPH_DEF or wire != 2:
             continue
         top: list[GraphNode] = []
-        for n, w, v in _fields(graph):
+        for n, w, v in proto_fields(graph):
             if n == _GD_NODE and w == 2:
                 top.append(_node(v))
             elif n == _GD_LIBRARY and w == 2:
-                for fn_n, fn_w, fn_v in _fields(v):
+                for fn_n, fn_w, fn_v in proto_fields(v):
                     if fn_n == _FL_FUNCTION and fn_w == 2:
                         name, nodes = _function(fn_v)
                         if name in functions:

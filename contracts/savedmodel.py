@@ -155,7 +155,7 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise SavedModelError("varint longer than 10 bytes")
 
 
-def _fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
+def proto_fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
     """``(field_number, wire_type, value)``: ints for varint/fixed, a memoryview for bytes."""
     pos, end = 0, len(buf)
     while pos < end:
@@ -189,12 +189,12 @@ def _dtype(value: int) -> str:
 
 def _shape(buf: memoryview) -> Shape:
     dims: list[int | None] = []
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if number == _TS_UNKNOWN_RANK and wire == 0 and value:
             return None
         if number == _TS_DIM and wire == 2:
             size = 0  # proto3: an absent size is 0; unknown is -1 on the wire
-            for n, w, v in _fields(value):
+            for n, w, v in proto_fields(value):
                 if n == _DIM_SIZE and w == 0:
                     size = _int64(v)
             dims.append(None if size < 0 else size)
@@ -204,7 +204,7 @@ def _shape(buf: memoryview) -> Shape:
 def _tensor_info(key: str, buf: memoryview) -> TensorSpec:
     name, dtype = "", 0
     shape: Shape = ()  # an absent tensor_shape is the default TensorShapeProto: a scalar, as TF reads it
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if number == _TI_NAME and wire == 2:
             name = bytes(value).decode()
         elif number == _TI_DTYPE and wire == 0:
@@ -214,9 +214,9 @@ def _tensor_info(key: str, buf: memoryview) -> TensorSpec:
     return TensorSpec(name=name or key, dtype=_dtype(dtype), shape=shape)
 
 
-def _map_entry(buf: memoryview) -> tuple[str, memoryview]:
+def map_entry(buf: memoryview) -> tuple[str, memoryview]:
     key, value = "", memoryview(b"")
-    for number, wire, v in _fields(buf):
+    for number, wire, v in proto_fields(buf):
         if number == _MAP_KEY and wire == 2:
             key = bytes(v).decode()
         elif number == _MAP_VALUE and wire == 2:
@@ -228,9 +228,9 @@ def _signature(name: str, buf: memoryview) -> Signature:
     inputs: dict[str, TensorSpec] = {}
     outputs: dict[str, TensorSpec] = {}
     method = ""
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if number in (_SD_INPUTS, _SD_OUTPUTS) and wire == 2:
-            key, info = _map_entry(value)
+            key, info = map_entry(value)
             (inputs if number == _SD_INPUTS else outputs)[key] = _tensor_info(key, info)
         elif number == _SD_METHOD_NAME and wire == 2:
             method = bytes(value).decode()
@@ -258,7 +258,7 @@ def _ints(wire: int, value: Any) -> list[int]:
 
 def _variable(buf: memoryview) -> TensorSpec:
     name, dtype, vshape, trainable = "", 0, (), False   # proto3: an absent bool is false
-    for vn, vw, vv in _fields(buf):
+    for vn, vw, vv in proto_fields(buf):
         if vn == _SV_DTYPE and vw == 0:
             dtype = vv
         elif vn == _SV_TRAINABLE and vw == 0:
@@ -274,21 +274,21 @@ def _object_graph(buf: memoryview) -> tuple[dict[str, TensorSpec], dict[str, dic
     """Every variable by name (the first of a name), and per signature the variables its function captures."""
     nodes: list[tuple[list[tuple[str, int]], TensorSpec | None, str | None]] = []  # children, variable, function
     bound: dict[str, list[int]] = {}
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if number == _OG_CONCRETE_FUNCTIONS and wire == 2:
-            key, fn = _map_entry(value)
-            bound[key] = [i for n, w, v in _fields(fn) if n == _SCF_BOUND_INPUTS for i in _ints(w, v)]
+            key, fn = map_entry(value)
+            bound[key] = [i for n, w, v in proto_fields(fn) if n == _SCF_BOUND_INPUTS for i in _ints(w, v)]
         if number != _OG_NODES or wire != 2:
             continue
         children, variable, function = [], None, None
-        for n, w, v in _fields(value):
+        for n, w, v in proto_fields(value):
             if n == _SO_CHILDREN and w == 2:
-                ref = {rn: rv for rn, rw, rv in _fields(v)}
+                ref = {rn: rv for rn, rw, rv in proto_fields(v)}
                 children.append((bytes(ref.get(_OR_LOCAL_NAME, b"")).decode(), int(ref.get(_OR_NODE_ID, 0))))
             elif n == _SO_VARIABLE and w == 2:
                 variable = _variable(v)
             elif n == _SO_BARE_CONCRETE_FUNCTION and w == 2:
-                function = next((bytes(fv).decode() for fn_, fw, fv in _fields(v) if fn_ == _SBCF_NAME), None)
+                function = next((bytes(fv).decode() for fn_, fw, fv in proto_fields(v) if fn_ == _SBCF_NAME), None)
         nodes.append((children, variable, function))
     everything: dict[str, TensorSpec] = {}
     for _, variable, _ in nodes:  # one variable is often saved twice (Keras: 'variables', '_all_variables')
@@ -326,7 +326,7 @@ def parse_saved_model(data: bytes) -> SavedModelInfo:
     """Decode the bytes of ``saved_model.pb``: signatures and variables of ``meta_graphs[0]``."""
     buf = memoryview(data)
     meta_graph = None
-    for number, wire, value in _fields(buf):
+    for number, wire, value in proto_fields(buf):
         if number == _SM_META_GRAPHS and wire == 2:
             meta_graph = value
             break
@@ -335,9 +335,9 @@ def parse_saved_model(data: bytes) -> SavedModelInfo:
     signatures: dict[str, Signature] = {}
     variables: dict[str, TensorSpec] = {}
     per_signature: dict[str, dict[str, TensorSpec]] = {}
-    for number, wire, value in _fields(meta_graph):
+    for number, wire, value in proto_fields(meta_graph):
         if number == _MG_SIGNATURE_DEF and wire == 2:
-            key, sig = _map_entry(value)
+            key, sig = map_entry(value)
             signatures[key] = _signature(key, sig)
         elif number == _MG_OBJECT_GRAPH_DEF and wire == 2:
             variables, per_signature = _object_graph(value)

@@ -274,12 +274,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def _expected_rows(client: Any, job_id: str, rows: slice | None) -> int | None:
     """How many rows ``rows`` selects, from the result's ``rows_total`` (None when unknown)."""
-    from jacobian.client import _row_range
+    from jacobian.client import row_range
 
     total, _ = client.row_geometry(job_id)
     if total is None:
         return None
-    start, stop = _row_range(rows, total)
+    start, stop = row_range(rows, total)
     return max(0, min(total, total if stop is None else stop) - start)
 
 

@@ -85,7 +85,7 @@ class JobCanceled(JobFailed):
     """The job was canceled."""
 
 
-def _row_range(rows: slice | tuple[int, int] | None, rows_total: int | None) -> tuple[int, int | None]:
+def row_range(rows: slice | tuple[int, int] | None, rows_total: int | None) -> tuple[int, int | None]:
     """``slice(a, b)`` -> ``(a, b)`` (negative indices need ``rows_total``); ``None`` -> everything."""
     if rows is None:
         return 0, None
@@ -293,7 +293,7 @@ class JacobianClient:
                   page_bytes: int = PAGE_BYTES) -> Iterator[np.ndarray]:
         """Rows ``rows`` (default all) in pages of at most ``page_bytes``, each ``(n,) + row_shape``."""
         rows_total, row_bytes = self.row_geometry(job_id)
-        start, stop = _row_range(rows, rows_total)
+        start, stop = row_range(rows, rows_total)
         if stop is None:
             stop = rows_total
         if rows_total is None or stop is None or row_bytes is None:  # unknown geometry: one request

@@ -9,7 +9,7 @@ import redis
 
 from contracts.plans import REQUEST_KEY_TEMPLATE
 from worker.engine.plan import Plan, PlanKey
-from worker.engine.plan_cache import DiskPlanCache, PlanCache, TieredPlanCache, _checked_plan
+from worker.engine.plan_cache import DiskPlanCache, PlanCache, TieredPlanCache, checked_plan
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class RedisPlanCache:
         except redis.RedisError as err:
             log.warning("plan %s: Redis unreachable (%s); planning without it", key.digest, err)
             return None
-        return _checked_plan(raw, key, "redis")
+        return checked_plan(raw, key, "redis")
 
     def put(self, plan: Plan) -> None:
         if plan.key is None:

@@ -153,3 +153,28 @@ def test_test_modules_have_unique_basenames():
             twice.append((seen[p.name], str(p.relative_to(REPO))))
         seen.setdefault(p.name, str(p.relative_to(REPO)))
     assert not twice, f"rename one of each pair: {twice}"
+
+
+OUR_PACKAGES = ("app", "worker", "contracts", "jacobian")
+
+
+def private_imports(source: str) -> list[str]:
+    """``from <our module> import _name`` (a private name taken across modules) in ``source``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OUR_PACKAGES:
+            out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and
+                    not a.name.startswith("__")]
+    return out
+
+
+def test_the_private_import_finder_finds_them():
+    assert private_imports("from worker.engine.problem import _ruled, ruled\nfrom os import _exit\n") == \
+        ["worker.engine.problem._ruled"]
+
+
+def test_no_private_helper_is_imported_across_modules():
+    """Helpers shared across modules are public (issue 24): nothing imports another module's ``_name``."""
+    found = {str(p.relative_to(REPO)): names for package in OUR_PACKAGES for p in sorted((REPO / package).rglob("*.py"))
+             if (names := private_imports(p.read_text()))}
+    assert not found, f"make these public or move them: {found}"

@@ -38,7 +38,7 @@ SEEN_BYTES = 1 << 20
 TF32_TOLERANCE = 1e-2
 
 
-def _tf32_enabled() -> bool:
+def tf32_enabled() -> bool:
     tf = sys.modules.get("tensorflow")
     return bool(tf is not None and tf.config.experimental.tensor_float_32_execution_enabled())
 
@@ -57,7 +57,7 @@ def rows_agree(got: np.ndarray, want: np.ndarray) -> bool:
         return True
     scale = float(np.abs(b[finite]).max()) or 1.0
     tol = 1e-3 if np.asarray(got).dtype.itemsize <= 2 else 1e-4
-    if _tf32_enabled():  # a job that asked for precision "tf32": matmul inputs carry 10 bits of mantissa
+    if tf32_enabled():  # a job that asked for precision "tf32": matmul inputs carry 10 bits of mantissa
         tol = max(tol, TF32_TOLERANCE)
     return bool(np.abs(a[finite] - b[finite]).max() <= tol * scale)
 

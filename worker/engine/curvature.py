@@ -136,10 +136,10 @@ def sandwich(op: Any, middle: Middle, seeds: np.ndarray) -> np.ndarray:
     """``J^T M J v`` for flat seeds ``(k, n_wrt)``: one batch of JVPs and one of VJPs through ``op``'s chosen routes
     (counted as such), ``M`` between them in float64; rows in ``op.compute_dtype``."""
     k = len(seeds)
-    jv = op._call("jvp", seeds)
+    jv = op.call("jvp", seeds)
     op.counts["jvp"] += k
     mid = middle(np.asarray(jv, np.float64).reshape(k, -1))
-    out = op._call("vjp", np.ascontiguousarray(mid, dtype=op.compute_dtype))
+    out = op.call("vjp", np.ascontiguousarray(mid, dtype=op.compute_dtype))
     op.counts["vjp"] += k
     return out
 

@@ -17,7 +17,7 @@ from contracts.kinds import kind_spec
 from worker.engine import estimators, matfree_rules
 from worker.engine.errors import InvalidRequest
 from worker.engine.matfree import MatFreeResult, Operator
-from worker.engine.problem import _ruled
+from worker.engine.problem import ruled
 
 Progress = Callable[[int, int | None], None]
 StopCheck = Callable[[], bool]
@@ -64,7 +64,7 @@ def hessian_diag(op: Operator, probes: int | None = None, *, kind: str = "hessia
     """diag(A) of the applied product's matrix (``estimators.diagonal``): ``diagonal`` and ``stderr`` ``(n_wrt,)``;
     ``method`` ``auto`` (exact for a small wrt or ``probes >= n_wrt``), ``exact`` or ``hutchinson``. ``run``:
     ``chunk_rows``, ``progress``, ``should_stop``."""
-    probes = _ruled(matfree_rules.check_probes, probes, kind=kind)
+    probes = ruled(matfree_rules.check_probes, probes, kind=kind)
     if method not in DIAGONAL_METHODS:
         raise InvalidRequest(f"method: {method!r} is not a diagonal method; use one of "
                              + ", ".join(map(repr, DIAGONAL_METHODS)), field="method")
@@ -80,8 +80,8 @@ def _quadrature(op: Operator, kind: str, product: str, probes: int | None, steps
                 run: dict[str, Any]) -> tuple[_Counted, estimators.Quadrature, dict[str, Any]]:
     """Lanczos quadrature of the applied product's matrix: the run, the quadrature, the attributes every
     quadrature kind records."""
-    probes = _ruled(matfree_rules.check_probes, probes, kind=kind)
-    steps = _ruled(matfree_rules.check_steps, steps, n=op.n_wrt)
+    probes = ruled(matfree_rules.check_probes, probes, kind=kind)
+    steps = ruled(matfree_rules.check_steps, steps, n=op.n_wrt)
     used = quadrature_shape(probes, steps, op.n_wrt)
     counted = _Counted(op, kind, product, used[0] * used[1], **run)
     eps = 100 * float(np.finfo(op.compute_dtype).eps)
@@ -97,7 +97,7 @@ def spectral_density(op: Operator, probes: int | None = None, steps: int | None 
     """The eigenvalue density by stochastic Lanczos quadrature: ``density`` and ``grid`` ``(points,)``, ``nodes``
     and ``weights`` ``(probes, steps)`` (at most ``n_wrt`` each); ``sigma``: the smoothing width."""
     counted, q, attrs = _quadrature(op, kind, product, probes, steps, seed, run)
-    grid, values, width = estimators.density(q, sigma=_ruled(matfree_rules.check_sigma, sigma))
+    grid, values, width = estimators.density(q, sigma=ruled(matfree_rules.check_sigma, sigma))
     return counted.result(kind, "stochastic lanczos quadrature", {"density": values, "grid": grid, "nodes": q.nodes,
                           "weights": q.weights}, sigma=width, requested_sigma=sigma,
                           grid_range=[float(grid[0]), float(grid[-1])], **attrs)
@@ -107,7 +107,7 @@ def logdet(op: Operator, probes: int | None = None, steps: int | None = None, da
            kind: str = "logdet", product: str = "hvp", seed: int = 0, **run: Any) -> MatFreeResult:
     """log det(A + damping I) by stochastic Lanczos quadrature: ``logdet`` and ``stderr`` (0-d); raises
     ``InvalidRequest`` naming ``damping`` when a shifted Ritz value is not positive."""
-    damping = _ruled(matfree_rules.check_damping, damping)
+    damping = ruled(matfree_rules.check_damping, damping)
     counted, q, attrs = _quadrature(op, kind, product, probes, steps, seed, run)
     value, stderr = estimators.logdet(q, damping)
     return counted.result(kind, "stochastic lanczos quadrature", {"logdet": value, "stderr": stderr},

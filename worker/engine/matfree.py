@@ -50,7 +50,7 @@ from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSma
 from worker.engine.matfree_result import MatFreeResult
 from worker.engine.memory import is_out_of_memory
 from worker.engine.model import LoadedModel
-from worker.engine.problem import _convert_inputs, _described, _probe_shape, _ruled, error_summary
+from worker.engine.problem import convert_inputs, described, error_summary, probe_shape, ruled
 from worker.engine.products import body, tiled_ok, tiled_route
 from worker.engine.tuning import SMALL_GRAPH_OPS
 from worker.engine.wrt_axis import WrtAxis, wrt_axis
@@ -119,35 +119,35 @@ class Operator:
 
     def require_hessian(self, kind: str) -> None:
         """The Hessian kinds' rule: ``of`` of one element or ``reduce='sum'`` (raises InvalidRequest, field ``of``)."""
-        _ruled(matfree_rules.check_scalar_of, kind, self.of, self.of_shape, self.reduce)
+        ruled(matfree_rules.check_scalar_of, kind, self.of, self.of_shape, self.reduce)
 
     # -- public products ----------------------------------------------------------------------
 
     def jvp(self, seeds: Any, **options: Any) -> np.ndarray:
         """``J t`` for tangents ``(k, n_wrt)`` (or ``(k,) + wrt.shape``): ``(k,) + of.shape`` in ``dtype``."""
-        flat = self._seeds("jvp", seeds)
+        flat = self.checked_seeds("jvp", seeds)
         out = self.apply("jvp", flat, **options).astype(self.dtype)
         return out.reshape((len(flat),) + self.of_shape) if out.ndim > 1 else out   # 1-d: not kept (streamed)
 
     def vjp(self, seeds: Any, **options: Any) -> np.ndarray:
         """``u^T J`` for cotangents ``(k,) + of.shape`` (or ``(k, n_of)``): ``(k, n_wrt)`` in ``dtype``."""
-        return self.apply("vjp", self._seeds("vjp", seeds), **options).astype(self.dtype)
+        return self.apply("vjp", self.checked_seeds("vjp", seeds), **options).astype(self.dtype)
 
     def hvp(self, seeds: Any, **options: Any) -> np.ndarray:
         """``H v`` (Hessian of ``sum(of)``) for ``(k, n_wrt)`` (or ``(k,) + wrt.shape``): ``(k, n_wrt)``."""
         self.require_hessian("hvp")
-        return self.apply("hvp", self._seeds("hvp", seeds), **options).astype(self.dtype)
+        return self.apply("hvp", self.checked_seeds("hvp", seeds), **options).astype(self.dtype)
 
     def curvature_vp(self, kind: str, seeds: Any, **options: Any) -> np.ndarray:
         """``J^T M J v`` of a curvature product ``kind`` (its ``middles`` entry) for ``(k, n_wrt)`` seeds."""
         if kind not in self.middles:
             raise InvalidRequest(f"loss: kind {kind!r} needs a loss (and its labels) on of", field="loss")
-        return self.apply(kind, self._seeds(kind, seeds), **options).astype(self.dtype)
+        return self.apply(kind, self.checked_seeds(kind, seeds), **options).astype(self.dtype)
 
-    def _seeds(self, kind: str, seeds: Any) -> np.ndarray:
+    def checked_seeds(self, kind: str, seeds: Any) -> np.ndarray:
         """Seeds checked (``matfree_rules.check_seeds``, finite) and flattened to ``(k, size)``."""
         arr = np.asarray(seeds)
-        k = _ruled(matfree_rules.check_seeds, kind, arr.shape, of_shape=self.of_shape, wrt_shape=self.axis.shape)
+        k = ruled(matfree_rules.check_seeds, kind, arr.shape, of_shape=self.of_shape, wrt_shape=self.axis.shape)
         if not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
             raise InvalidRequest(f"seeds: must be real numbers, got dtype {arr.dtype}; send float seeds", field="seeds")
         if not np.isfinite(arr).all():
@@ -180,7 +180,7 @@ class Operator:
                     rows = self._measured_call(kind, seeds[start:start + n], total)
                     step = self.planned[kind]
                 else:
-                    rows = self._call(kind, seeds[start:start + n])
+                    rows = self.call(kind, seeds[start:start + n])
             except Exception as err:  # noqa: BLE001 - out of memory halves the chunk; anything else is raised
                 if not is_out_of_memory(err):
                     raise
@@ -207,13 +207,13 @@ class Operator:
         if self.budget_bytes is not None:
             limit = min(limit, int(self.budget_bytes))
         self.probe.reset_peak()
-        rows = self._call(kind, seeds)
+        rows = self.call(kind, seeds)
         peak = int(self.probe.peak_bytes())
         per_seed = peak / max(1, len(seeds))
         self.planned[kind] = total if per_seed <= 0 else max(1, min(total, int(SAFETY * limit / per_seed)))
         return rows
 
-    def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
+    def call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
         if kind in self.middles:   # J^T M J: a JVP, M on the host, a VJP
             from worker.engine.curvature import sandwich
 
@@ -365,11 +365,11 @@ def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None
     if kind is not None and kind not in MATRIX_FREE_KINDS:
         raise InvalidRequest(f"kind: {kind!r} is not a matrix-free kind; use one of: "
                              + ", ".join(repr(k) for k in MATRIX_FREE_KINDS), field="kind")
-    _ruled(rules.check_options, kind="jacobian", reduce=reduce, output_dtype=output_dtype)
-    tensors = _convert_inputs(model, inputs)
-    of = _ruled(rules.resolve_of, of, _described(model)["outputs"], signature=model.signature)
+    ruled(rules.check_options, kind="jacobian", reduce=reduce, output_dtype=output_dtype)
+    tensors = convert_inputs(model, inputs)
+    of = ruled(rules.resolve_of, of, described(model)["outputs"], signature=model.signature)
     axis = wrt_axis(model, tensors, wrt)
-    of_shape = _probe_shape(model, tensors, of)
+    of_shape = probe_shape(model, tensors, of)
     of_dtype = model.output_specs[of].dtype.name
     compute = rules.result_dtype(of_dtype, axis.dtype)
     op = Operator(model, tensors, of=of, of_shape=of_shape, of_dtype=of_dtype, axis=axis, reduce=reduce,
@@ -389,7 +389,7 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_rows: int | None 
     if kind not in PRODUCT_KINDS:
         raise InvalidRequest(f"kind: {kind!r} is not a product kind; use one of {', '.join(PRODUCT_KINDS)}",
                              field="kind")
-    k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
+    k = len(op.checked_seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)
     along_of = kind_spec(kind).product_axes == "of"
     row_shape = op.of_shape if along_of else op.axis.shape

@@ -32,7 +32,7 @@ class PlanCache(Protocol):
         """The strategy the last plan of ``key.family`` (same request, other shapes) ran with."""
 
 
-def _checked_plan(raw: str | bytes | None, key: PlanKey, where: str) -> Plan | None:
+def checked_plan(raw: str | bytes | None, key: PlanKey, where: str) -> Plan | None:
     if raw is None:
         return None
     try:
@@ -54,7 +54,7 @@ class MemoryPlanCache:
         self._families: dict[str, str] = {}
 
     def get(self, key: PlanKey) -> Plan | None:
-        return _checked_plan(self._plans.get(key.digest), key, "memory")
+        return checked_plan(self._plans.get(key.digest), key, "memory")
 
     def put(self, plan: Plan) -> None:
         if plan.key is None:
@@ -84,7 +84,7 @@ class DiskPlanCache:
         except OSError as err:
             log.warning("plan cache %s is not readable (%s)", path, err)
             return None
-        return _checked_plan(raw, key, str(path))
+        return checked_plan(raw, key, str(path))
 
     def put(self, plan: Plan) -> None:
         if plan.key is None:

@@ -87,7 +87,7 @@ class Problem:
         }
 
 
-def _ruled(rule: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def ruled(rule: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``rule(...)`` of ``contracts.rules``, a ``RuleViolation`` raised as ``InvalidRequest`` (same message, field)."""
     try:
         return rule(*args, **kwargs)
@@ -100,18 +100,18 @@ def _spec(t: Any) -> rules.Spec:
     return rules.Spec(t.dtype.name, shape_tuple(t.shape))
 
 
-def _convert_inputs(model: LoadedModel, inputs: dict[str, Any]) -> dict[str, Any]:
+def convert_inputs(model: LoadedModel, inputs: dict[str, Any]) -> dict[str, Any]:
     """The inputs checked against the signature (``rules.check_inputs``) as ``tf.Tensor``s of its dtypes:
     a bfloat16 input sent as float32 (``rules.wire_dtype``) is rounded to bfloat16 here."""
     import tensorflow as tf
 
     arrays = {name: np.asarray(value) for name, value in inputs.items()}
-    _ruled(rules.check_inputs, {n: _spec(a) for n, a in arrays.items()},
+    ruled(rules.check_inputs, {n: _spec(a) for n, a in arrays.items()},
            {n: _spec(s) for n, s in model.input_specs.items()}, signature=model.signature)
     return {name: tf.cast(tf.constant(arrays[name]), spec.dtype) for name, spec in model.input_specs.items()}
 
 
-def _described(model: LoadedModel) -> dict[str, dict[str, rules.Spec]]:
+def described(model: LoadedModel) -> dict[str, dict[str, rules.Spec]]:
     """The signature's declared ``inputs`` and ``outputs`` and the model's ``variables``, for the rulebook."""
     return {"inputs": {n: _spec(s) for n, s in model.input_specs.items()},
             "outputs": {n: _spec(s) for n, s in model.output_specs.items()},
@@ -120,9 +120,9 @@ def _described(model: LoadedModel) -> dict[str, dict[str, rules.Spec]]:
 
 def _resolve(model: LoadedModel, of: str | None, wrt: str | None) -> tuple[str, str]:
     """``of`` and ``wrt`` resolved from the signature (``rules.resolve_of``, ``rules.resolve_wrt``)."""
-    d = _described(model)
-    return (_ruled(rules.resolve_of, of, d["outputs"], signature=model.signature),
-            _ruled(rules.resolve_wrt, wrt, d["inputs"], d["variables"], signature=model.signature))
+    d = described(model)
+    return (ruled(rules.resolve_of, of, d["outputs"], signature=model.signature),
+            ruled(rules.resolve_wrt, wrt, d["inputs"], d["variables"], signature=model.signature))
 
 
 def _wrt_target(model: LoadedModel, inputs: dict[str, Any], wrt: str) -> Any:
@@ -165,7 +165,7 @@ def _probe_gradient(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: st
     return grad, tuple(int(d) for d in y.shape)
 
 
-def _probe_shape(model: LoadedModel, inputs: dict[str, Any], of: str) -> tuple[int, ...]:
+def probe_shape(model: LoadedModel, inputs: dict[str, Any], of: str) -> tuple[int, ...]:
     """One eager forward pass, no tape: the shape of ``of`` (gradients are checked where they are built)."""
     import tensorflow as tf
 
@@ -292,11 +292,11 @@ def build_problem(model: LoadedModel, inputs: dict[str, Any], *, of: str | None 
     gradient, the forward-mode test and the independence check are then not run again, and the
     resolved mode is reused. For any other request it is ignored and the request is checked in full.
     """
-    _ruled(rules.check_options, kind=kind, mode=mode, reduce=reduce, output_dtype=output_dtype)
-    tensors = _convert_inputs(model, inputs)
-    described = {**_described(model), "inputs": {n: _spec(t) for n, t in tensors.items()}}
-    resolved = _ruled(rules.check_request, kind=kind, of=of, wrt=wrt, reduce=reduce, signature=model.signature,
-                      **described)
+    ruled(rules.check_options, kind=kind, mode=mode, reduce=reduce, output_dtype=output_dtype)
+    tensors = convert_inputs(model, inputs)
+    signature = {**described(model), "inputs": {n: _spec(t) for n, t in tensors.items()}}
+    resolved = ruled(rules.check_request, kind=kind, of=of, wrt=wrt, reduce=reduce, signature=model.signature,
+                     **signature)
     of, wrt = resolved.of, resolved.wrt
     out_dtype = model.output_specs[of].dtype.name
     request = _request_key(of, wrt, kind, reduce, tensors)
@@ -351,10 +351,10 @@ def _check_request(model: LoadedModel, tensors: dict[str, Any], of: str, wrt: st
     from the first chunk (``unconnected``; every strategy failing). Forward mode is checked eagerly.
     """
     requested_mode = mode
-    of_shape = _probe_shape(model, tensors, of)
+    of_shape = probe_shape(model, tensors, of)
     wrt_shape = tuple(int(d) for d in _wrt_target(model, tensors, wrt).shape)
     # The rules again, on the concrete shapes: an output of unknown rank, a batch axis of None.
-    _ruled(rules.check_kind, kind, of=of, of_shape=of_shape, wrt=wrt, wrt_shape=wrt_shape, reduce=reduce)
+    ruled(rules.check_kind, kind, of=of, of_shape=of_shape, wrt=wrt, wrt_shape=wrt_shape, reduce=reduce)
     spec = kind_spec(kind)
     if spec.scalar_of:
         mode = "reverse" if mode == "auto" else mode

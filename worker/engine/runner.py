@@ -176,7 +176,9 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
             if run.budget is not None and run.plan.record(label).peak_unseen and avoid_unseen(run, applicable, label):
                 continue  # a budget cannot bound memory the statistics do not see: the next chunk runs another
             ladder = run.ladders.get(label)
-            if not first and ladder is not None and ladder.is_settled and ladder.calibrated:
+            # trials wait for the chunk size to be measured (calibrated), not for a doubling under comparison to
+            # end: a comparison longer than the job goes on in the next one (its pairs in the plan)
+            if not first and ladder is not None and ladder.calibrated and (ladder.is_settled or ladder.comparison):
                 maybe_trial(run, applicable, rows_left=pending - rows_done, seconds_per_row=seconds / k)
                 if run.wrong_delivered:
                     mark_refined(run, applicable)

@@ -59,14 +59,14 @@ def conjugate_gradients(op: Operator, seeds: Any, *, damping: float, product: st
                         should_stop: Callable[[], bool] | None = None) -> MatFreeResult:
     """``(A + damping I)^-1 v`` for seeds ``(k,) + wrt.shape`` (or flat), ``A`` the matrix of ``product``:
     ``solutions (k, n_wrt)``, ``residuals (k,)`` (true, relative), ``iterations (k,)`` (module docstring)."""
-    from worker.engine.spectra import _Run
+    from worker.engine.spectra import ProductRun
 
     if kind_spec(product).scalar_of:
         op.require_hessian(kind)
     damping, tol, max_iterations = _checked(damping, tol, max_iterations)
-    b = op._seeds(kind, seeds).astype(np.float64)
+    b = op.checked_seeds(kind, seeds).astype(np.float64)
     k = len(b)
-    run = _Run(op, chunk_rows, progress, should_stop)
+    run = ProductRun(op, chunk_rows, progress, should_stop)
 
     def matvec(v: np.ndarray) -> np.ndarray:
         return run.apply(product, v) + damping * v

@@ -66,14 +66,14 @@ from worker.engine.convergence import unconverged_attrs as _unconverged_attrs
 from worker.engine.convergence import worst as _worst
 from worker.engine.errors import Stopped
 from worker.engine.matfree import MatFreeResult, Operator
-from worker.engine.problem import _ruled
+from worker.engine.problem import ruled
 from worker.engine.solve import conjugate_gradients
 
 Progress = Callable[[int, int | None], None]
 StopCheck = Callable[[], bool]
 
 
-class _Run:
+class ProductRun:
     """One method's products (through ``op.apply``), its cancel and progress, and the products it used."""
 
     def __init__(self, op: Operator, chunk_rows: int | None, progress: Progress | None,
@@ -115,10 +115,10 @@ def svd(op: Operator, rank: int, *, tol: float | None = None, oversample: int | 
     Raises ``NotConverged`` when ``tol`` does not hold within ``max_iterations`` (default 200) iterations,
     unless ``allow_unconverged``."""
     m, n = op.n_of, op.n_wrt
-    rank = _ruled(matfree_rules.check_rank, "svd", rank, of_size=m, wrt_size=n)
-    tol = _ruled(matfree_rules.check_tol, tol)
-    limit = _ruled(matfree_rules.check_max_iterations, max_iterations, default=matfree_rules.DEFAULT_SVD_ITERATIONS)
-    run = _Run(op, chunk_rows, progress, should_stop)
+    rank = ruled(matfree_rules.check_rank, "svd", rank, of_size=m, wrt_size=n)
+    tol = ruled(matfree_rules.check_tol, tol)
+    limit = ruled(matfree_rules.check_max_iterations, max_iterations, default=matfree_rules.DEFAULT_SVD_ITERATIONS)
+    run = ProductRun(op, chunk_rows, progress, should_stop)
     full = min(m, n)
     width = min(rank + (max(5, rank) if oversample is None else max(0, int(oversample))), full)
     rng = np.random.default_rng(seed)
@@ -185,10 +185,10 @@ def hessian_eig(op: Operator, rank: int, *, tol: float | None = None, max_iterat
     unless ``allow_unconverged``."""
     _require(op, product, kind)
     n = op.n_wrt
-    rank = _ruled(matfree_rules.check_rank, kind, rank, of_size=op.n_of, wrt_size=n)
-    tol = _ruled(matfree_rules.check_tol, tol)
-    limit = _ruled(matfree_rules.check_max_iterations, max_iterations, default=max(20 * rank, 100))
-    run = _Run(op, chunk_rows, progress, should_stop)
+    rank = ruled(matfree_rules.check_rank, kind, rank, of_size=op.n_of, wrt_size=n)
+    tol = ruled(matfree_rules.check_tol, tol)
+    limit = ruled(matfree_rules.check_max_iterations, max_iterations, default=max(20 * rank, 100))
+    run = ProductRun(op, chunk_rows, progress, should_stop)
     steps = min(n, max(rank, limit))
     rng = np.random.default_rng(seed)
     basis = np.empty((steps + 1, n))
@@ -285,13 +285,13 @@ def hessian_trace(op: Operator, samples: int | None = None, *, method: str = "au
     the better of their two estimates; else ``hutchinson``), ``hutch++``, ``hutchinson`` or ``exact``.
     ``product``: the symmetric matrix's products (``hvp``; ``ggn_vp`` for ``kind`` ``ggn_trace``)."""
     _require(op, product, kind)
-    samples = _ruled(matfree_rules.check_samples, samples, method=method)
+    samples = ruled(matfree_rules.check_samples, samples, method=method)
     n = op.n_wrt
     requested = method
     if method == "auto":
         method = ("exact" if samples >= n else "hutch++" if samples >= matfree_rules.MIN_HUTCHPP_SAMPLES
                   else "hutchinson")
-    run = _Run(op, chunk_rows, progress, should_stop)
+    run = ProductRun(op, chunk_rows, progress, should_stop)
     rng = np.random.default_rng(seed)
     total = n if method == "exact" else samples
     done = 0

@@ -73,7 +73,7 @@ class ProductsExecutor(Executor):
         if (job.shards or 1) <= 1 or job.rows is not None:
             return None
         op, seeds = operator(ctx)
-        k = len(op._seeds(job.kind.value, seeds)) if seeds is not None else 0  # checked: InvalidRequest names seeds
+        k = len(op.checked_seeds(job.kind.value, seeds)) if seeds is not None else 0  # InvalidRequest names seeds
         writer = products_writer(op, job.kind.value, k, job.results_url, job.id, block_bytes=ctx.block_bytes)
         writer.close()
         shards = choose_shards(job.shards, blocks=len(writer.blocks), live_workers=None, estimated_seconds=0.0,

@@ -135,8 +135,8 @@ class Stacked:
                     last[0] = time.monotonic()
                     ctx.on_progress(meter.snapshot())
 
-                op.apply(self.product, op._seeds(self.product, self.seeds(start, stop)), chunk_rows=ctx.chunk_rows,
-                         should_stop=ctx.should_stop, on_chunk=keep, keep=False)
+                op.apply(self.product, op.checked_seeds(self.product, self.seeds(start, stop)),
+                         chunk_rows=ctx.chunk_rows, should_stop=ctx.should_stop, on_chunk=keep, keep=False)
             writer.close()
         except BaseException:
             writer.abort()

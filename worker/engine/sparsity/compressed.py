@@ -153,14 +153,14 @@ def verify(op: Any, pattern: Any, colouring: Colouring, products: np.ndarray,
 
 def tolerance(dtype: Any) -> float:
     """Verification's relative tolerance for products computed in ``dtype`` (TensorFloat-32 widens it)."""
-    from worker.engine.chunk_run import TF32_TOLERANCE, _tf32_enabled
+    from worker.engine.chunk_run import TF32_TOLERANCE, tf32_enabled
 
     try:
         itemsize = np.dtype(dtype).itemsize
     except TypeError:   # bfloat16 by name
         itemsize = 2
     tol = {2: 3e-2, 4: 1e-3}.get(itemsize, 1e-6)
-    return max(tol, TF32_TOLERANCE) if _tf32_enabled() else tol
+    return max(tol, TF32_TOLERANCE) if tf32_enabled() else tol
 
 
 def sorted_pattern(pattern: Any) -> Any:

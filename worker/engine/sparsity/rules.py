@@ -122,12 +122,12 @@ def _patterns(op: Any, ins: list[State], shapes: list[tuple[int, ...]]) -> tuple
         if kind in BATCH_NORMS and not op.get_attr("is_training") and isinstance(ins[0], Dep) \
                 and not any(isinstance(s, Dep) for s in ins[1:]):
             return [ins[0].pattern] + [None] * (len(shapes) - 1), True
-    except _NoRule:
+    except NoRule:
         pass
     return conservative_patterns(ins, shapes), False
 
 
-class _NoRule(Exception):
+class NoRule(Exception):
     """The rule does not fit this use of the op: the conservative rule is taken."""
 
 
@@ -175,14 +175,14 @@ def _rows(pattern: Any, index: np.ndarray) -> Any:
     return pattern[index]
 
 
-def _or(patterns: list[Any]) -> Any:
+def union(patterns: list[Any]) -> Any:
     out = patterns[0]
     for p in patterns[1:]:
         out = (out + p).tocsr()
     return out
 
 
-def _map(rows: np.ndarray, cols: np.ndarray, n_out: int, n_in: int) -> Any:
+def index_map(rows: np.ndarray, cols: np.ndarray, n_out: int, n_in: int) -> Any:
     """The boolean map ``(n_out, n_in)`` with entries ``(rows, cols)``, entries with ``cols < 0`` dropped."""
     import scipy.sparse as sp
 
@@ -204,9 +204,9 @@ def elementwise(op: Any, ins: list[State], shape: tuple[int, ...]) -> Any:
         try:
             index = np.broadcast_to(ids, shape)
         except ValueError as err:
-            raise _NoRule from err
+            raise NoRule from err
         parts.append(_rows(s.pattern, index))
-    return _or(parts)
+    return union(parts)
 
 
 def moves(op: Any, ins: list[State]) -> list[Any]:
@@ -225,11 +225,11 @@ def moves(op: Any, ins: list[State]) -> list[Any]:
         elif s.shape is not None and (isinstance(s, Val) or s.dtype is None or tf.as_dtype(s.dtype).is_floating):
             args.append(tf.zeros(s.shape, tf.int64))
         else:
-            raise _NoRule   # an index argument of unknown value
+            raise NoRule   # an index argument of unknown value
     try:
         outs = run_op(op, args)
     except Exception as err:  # noqa: BLE001 - no int64 kernel, or arguments it refuses: conservative
-        raise _NoRule from err
+        raise NoRule from err
     stacked = sp.vstack(deps, format="csr") if len(deps) > 1 else deps[0]
     return [_rows(stacked, np.asarray(o, np.int64).ravel() - 1) if np.asarray(o).dtype == np.int64 else None
             for o in outs]
@@ -257,17 +257,17 @@ def window(op: Any, ins: list[State], shape: tuple[int, ...]) -> Any:
     x = ins[0]
     assert isinstance(x, Dep)
     if len(x.shape) != 4 or _attr(op, "data_format", b"NHWC") != b"NHWC":
-        raise _NoRule
+        raise NoRule
     channels = x.shape[3]
     if op.type in ("MaxPool", "AvgPool"):
         k, st = list(op.get_attr("ksize")), list(op.get_attr("strides"))
         if k[0] != 1 or k[3] != 1 or st[0] != 1 or st[3] != 1:   # pooling across the batch or the channels
-            raise _NoRule
+            raise NoRule
         size, strides, rates = [1, k[1], k[2], 1], st, [1, 1, 1, 1]
     else:
         filt = ins[1].shape
         if filt is None or len(filt) != 4:
-            raise _NoRule
+            raise NoRule
         size, strides, rates = [1, filt[0], filt[1], 1], list(op.get_attr("strides")), list(op.get_attr("dilations"))
     padding = op.get_attr("padding").decode()
     ids = tf.constant(np.arange(1, x.size + 1, dtype=np.int64).reshape(x.shape))
@@ -277,16 +277,16 @@ def window(op: Any, ins: list[State], shape: tuple[int, ...]) -> Any:
     patches = tf.image.extract_patches(ids, sizes=size, strides=strides, rates=rates, padding=padding).numpy()
     n_pos = math.prod(patches.shape[:3])
     if patches.shape[:3] != shape[:3]:
-        raise _NoRule
+        raise NoRule
     out_channels = shape[3]
     if op.type == "Conv2D":
         cols = patches.reshape(n_pos, -1) - 1
         rows = np.repeat(np.arange(n_pos, dtype=np.int64), cols.shape[1])
-        per_position = _map(rows, cols.ravel(), n_pos, x.size) @ x.pattern
+        per_position = index_map(rows, cols.ravel(), n_pos, x.size) @ x.pattern
         return _rows(per_position.tocsr(), np.repeat(np.arange(n_pos, dtype=np.int64), out_channels))
     cols = patches.reshape(n_pos, -1, channels).transpose(0, 2, 1).reshape(n_pos * channels, -1) - 1
     rows = np.repeat(np.arange(n_pos * channels, dtype=np.int64), cols.shape[1])
-    per_channel = (_map(rows, cols.ravel(), n_pos * channels, x.size) @ x.pattern).tocsr()
+    per_channel = (index_map(rows, cols.ravel(), n_pos * channels, x.size) @ x.pattern).tocsr()
     multiplier = out_channels // channels
     return _rows(per_channel, np.repeat(np.arange(n_pos * channels, dtype=np.int64), multiplier))
 
@@ -310,16 +310,16 @@ def matmul(op: Any, ins: list[State], shape: tuple[int, ...]) -> Any:
             ids = np.swapaxes(ids, -1, -2)     # lines of b are its columns
         lines = ids.reshape(-1, ids.shape[-1])  # (batch... * lines, k)
         n_lines = lines.shape[0]
-        per_line = (_map(np.repeat(np.arange(n_lines, dtype=np.int64), lines.shape[1]), lines.ravel(), n_lines,
+        per_line = (index_map(np.repeat(np.arange(n_lines, dtype=np.int64), lines.shape[1]), lines.ravel(), n_lines,
                          s.size) @ s.pattern).tocsr()
         line_ids = np.arange(n_lines, dtype=np.int64).reshape(ids.shape[:-1])
         line_ids = line_ids[..., :, None] if reads_rows else line_ids[..., None, :]
         try:
             index = np.broadcast_to(line_ids, shape)
         except ValueError as err:
-            raise _NoRule from err
+            raise NoRule from err
         parts.append(_rows(per_line, index))
-    return _or(parts)
+    return union(parts)
 
 
 def reduction(op: Any, x: Dep, axes: np.ndarray, shape: tuple[int, ...]) -> Any:
@@ -329,19 +329,19 @@ def reduction(op: Any, x: Dep, axes: np.ndarray, shape: tuple[int, ...]) -> Any:
     kept = [i for i in range(len(x.shape)) if i not in axes]
     kept_shape = tuple(x.shape[i] for i in kept)
     if math.prod(kept_shape) != math.prod(shape):
-        raise _NoRule
+        raise NoRule
     target = np.ravel_multi_index(tuple(grids[i] for i in kept), kept_shape) if kept else \
         np.zeros(x.shape, np.int64)
-    return (_map(np.asarray(target).ravel(), np.arange(x.size, dtype=np.int64), math.prod(shape), x.size)
+    return (index_map(np.asarray(target).ravel(), np.arange(x.size, dtype=np.int64), math.prod(shape), x.size)
             @ x.pattern).tocsr()
 
 
 def last_axis(x: Any) -> Any:
     """Softmax over the last axis: an element reads every element of its row."""
     if not isinstance(x, Dep) or not x.shape:
-        raise _NoRule
+        raise NoRule
     n = x.shape[-1]
     rows = x.size // n
     group = np.arange(x.size, dtype=np.int64) // n
-    per_row = (_map(group, np.arange(x.size, dtype=np.int64), rows, x.size) @ x.pattern).tocsr()
+    per_row = (index_map(group, np.arange(x.size, dtype=np.int64), rows, x.size) @ x.pattern).tocsr()
     return _rows(per_row, group)
