@@ -517,7 +517,7 @@ def test_pure_rules_need_no_tensorflow():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "math", "numbers", "collections.abc", "contracts.rules",
-                        "contracts.kinds"}
+                        "contracts.kinds", "contracts"}   # contracts: ``from contracts import estimators``
     assert matfree_rules.check_rank("svd", 3, of_size=3, wrt_size=10) == 3
     assert matfree_rules.check_rank("hessian_eig", np.int64(4), of_size=1, wrt_size=10) == 4
     assert matfree_rules.check_tol(np.float32(1e-3)) == pytest.approx(1e-3)
