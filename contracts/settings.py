@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     shard_min_seconds: float = Field(10.0, ge=0, description="least estimated compute per shard when a job is "
                                      "split automatically")
     model_cache_size: int = 4
+    max_model_read_bytes: int = Field(256 * 1024 * 1024, ge=1, description="the most the API reads of a model "
+                                      "under an S3 root to check it: its saved_model.pb, or a .keras file's "
+                                      "config.json (422 above)")
+    model_download_cache_bytes: int = Field(20 * 1024 ** 3, ge=1, description="size bound of a worker's local "
+                                            "copies of models under S3 roots (JACOBIAN_CACHE_DIR/models): the "
+                                            "least recently used are removed beyond it; a larger model is refused")
     model_op_allow: dict[str, list[str]] = Field(
         default_factory=dict, description="graph ops allowed beyond contracts/op_allowlist.txt, per model root "
         "(or any folder: a model gets the ops of every folder it lies in), as JSON: "
