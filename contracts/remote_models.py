@@ -11,6 +11,7 @@ when the object is not there, ``PermissionError`` when the credentials may not r
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from collections.abc import Mapping, Sequence
@@ -21,10 +22,12 @@ from contracts import storage
 from contracts.graph_ops import GraphOps, parse_graph_ops
 from contracts.graph_scan import check_graph
 from contracts.keras_file import is_keras_file, keras_info, scan_keras_config, zip_config
+from contracts.plans import FINGERPRINT_FILES, keras_fingerprint, saved_model_fingerprint
 from contracts.savedmodel import SAVED_MODEL_FILE, SavedModelError, SavedModelInfo, parse_saved_model
 
 READ_SETTING = "JACOBIAN_MAX_MODEL_READ_BYTES"
 _ZIP_BLOCK = 1 << 16   # ranged reads of a .keras zip: its directory and one member, not its weights
+_HASH_BLOCK = 8 << 20
 
 
 class RemoteObject(NamedTuple):
@@ -78,6 +81,38 @@ def head(url: str) -> RemoteObject:
     if info.get("type") != "file":
         raise FileNotFoundError(url)
     return RemoteObject(_key(url).rsplit("/", 1)[-1], int(info["size"]), _etag(info))
+
+
+@lru_cache(maxsize=64)
+def _object_sha256(url: str, etag: str, size: int, max_bytes: int) -> str:
+    if size > max_bytes:
+        return ""
+    digest = hashlib.sha256()
+    with open_object(url, block_size=_HASH_BLOCK) as f:
+        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def remote_fingerprint(url: str, *, max_bytes: int) -> str:
+    """``contracts.plans.model_fingerprint`` of the model at ``url``, read from the bucket: the objects it hashes
+    (a ``.keras`` file; ``saved_model.pb`` and ``variables/variables.index``), each read once per ETag; ``""`` when
+    one is over ``max_bytes``. Raises ``FileNotFoundError`` for a ``.keras`` object that is not there."""
+    if is_keras_file(url):
+        obj = head(url)
+        sha = _object_sha256(url, obj.etag, obj.size, max_bytes)
+        return keras_fingerprint(sha) if sha else ""
+    hashes: dict[str, str | None] = {}
+    for rel in FINGERPRINT_FILES:
+        try:
+            obj = head(storage.join(url, rel))
+        except FileNotFoundError:
+            hashes[rel] = None
+            continue
+        hashes[rel] = _object_sha256(storage.join(url, rel), obj.etag, obj.size, max_bytes)
+        if not hashes[rel]:
+            return ""
+    return saved_model_fingerprint(hashes)
 
 
 def open_object(url: str, *, block_size: int) -> Any:

@@ -246,3 +246,22 @@ def test_model_changed_in_the_bucket_after_post_is_scanned_again(worker_api, red
     assert f"s3://{bucket}/models" in record.error["message"]
     assert not (built.outside / "written.txt").exists()
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).retries_left == 2
+
+
+@pytest.mark.parametrize("name", ["clean", "functional.keras"])
+def test_dry_run_finds_the_plan_a_worker_made_for_a_model_in_the_bucket(worker_api, redis_conn, built, name):
+    """The API fingerprints the model from the bucket as the worker does from its copy: after one job, a dry run
+    finds the persisted plan (a .keras config gives no output shapes, so its quote stays a guess, made with it)."""
+    body = {"model": {"path": name}, "inputs": {"x": tensor(X)}, "of": "y", "wrt": "x"}
+    first = worker_api.post("/v1/jobs", params={"dry_run": "true"}, json=body)
+    assert first.status_code == 200 and "no plan for this model yet" in first.json()["basis"], first.text
+    r = worker_api.post("/v1/jobs", json=body)
+    assert r.status_code == 202, r.text
+    finished_job(worker_api, redis_conn, r.json()["id"])
+    again = worker_api.post("/v1/jobs", params={"dry_run": "true"}, json=body)
+    assert again.status_code == 200, again.text
+    basis = again.json()["basis"]
+    if name == "clean":
+        assert again.json()["guess"] is False and basis.startswith("persisted plan "), basis
+    else:
+        assert basis.startswith("a guess: ") and "no plan for this model yet" not in basis, basis
