@@ -265,3 +265,25 @@ def test_dry_run_finds_the_plan_a_worker_made_for_a_model_in_the_bucket(worker_a
         assert again.json()["guess"] is False and basis.startswith("persisted plan "), basis
     else:
         assert basis.startswith("a guess: ") and "no plan for this model yet" not in basis, basis
+
+
+def test_per_root_settings_apply_to_the_url(s3_client, bucket, tmp_path, monkeypatch):
+    """JACOBIAN_MODEL_OP_ALLOW names an s3:// prefix: the API accepts the op there; the worker's scan of its local
+    copy applies the URL's setting too (and refuses the same copy for another URL's)."""
+    import json
+
+    from contracts.graph_scan import ModelRefused
+    from contracts.settings import get_settings
+    from worker.model_cache import scan_model
+    from worker.model_download import ModelDownloads
+
+    url = f"s3://{bucket}/models/writes"
+    monkeypatch.setenv("JACOBIAN_MODEL_OP_ALLOW", json.dumps({url: ["WriteFile"]}))
+    get_settings.cache_clear()
+    assert s3_client.get("/v1/models/signature", params={"path": "writes"}).status_code == 200
+    with ModelDownloads(tmp_path, limit_bytes=1 << 30).local(url) as local:
+        scan_model(local, origin=url)
+        with pytest.raises(ModelRefused, match="WriteFile"):
+            scan_model(local, origin=f"s3://{bucket}/models/elsewhere")
+        with pytest.raises(ModelRefused, match="WriteFile"):
+            scan_model(local)
