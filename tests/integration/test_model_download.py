@@ -135,3 +135,21 @@ def test_a_local_copy_altered_on_disk_is_downloaded_again(s3_env, tmp_path):
     with cache.local(url) as again:
         assert files(again) == good and model_fingerprint(again) == fingerprint
     assert (cache.downloads, cache.hits) == (2, 0)
+
+
+def test_an_object_uploaded_in_parts_is_checked_by_size(s3_env, tmp_path):
+    """A multipart ETag (``<md5 of the parts' md5s>-<parts>``) is no MD5 of the bytes: the size is checked."""
+    import io
+
+    from boto3.s3.transfer import TransferConfig
+
+    url = saved_model(s3_env, "parts", 16)
+    data = os.urandom(6 << 20)
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    config = TransferConfig(multipart_threshold=5 << 20, multipart_chunksize=5 << 20)
+    client.upload_fileobj(io.BytesIO(data), s3_env, "models/parts/variables/variables.data-00000-of-00001",
+                          Config=config)
+    etags = {o.name: o.etag for o in model_download.model_listing(url)}
+    assert etags["variables/variables.data-00000-of-00001"].endswith("-2"), etags
+    with ModelDownloads(tmp_path, limit_bytes=1 << 30).local(url) as path:
+        assert files(path)["variables/variables.data-00000-of-00001"] == data
