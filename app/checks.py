@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from app.errors import InvalidRequest, NonFiniteInput, SignatureMismatch
-from contracts import rules
+from contracts import losses, rules
 from contracts.jobspec import (
     PRODUCT_KINDS,
     SEEDS_MEMBER,
@@ -28,7 +28,7 @@ from contracts.jobspec import (
     PatternFrom,
 )
 from contracts.jobstore import JobNotFound, JobStore
-from contracts.kinds import kind_spec
+from contracts.kinds import kind_spec, multiplies
 from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
 
 
@@ -159,7 +159,8 @@ def what_would_fit(options: JobOptions, *, size: int, rows: int, itemsize: int, 
         ways.append("kind='batch_jacobian' when the examples of the batch are independent (of and wrt share their "
                     "batch axis: one block per example, the batch size times fewer bytes)")
     ways.append("a matrix-free kind: 'jvp' or 'vjp' (products with your seeds), 'svd' (the largest singular values)"
-                if not kind.scalar_of else "a matrix-free kind: 'hvp', 'hessian_eig' or 'hessian_trace'")
+                if not kind.scalar_of else "a matrix-free kind: 'hvp', 'hessian_eig', 'hessian_trace' or "
+                "'hessian_diag'")
     if kind.sparsity and wrt_is_input and options.sparsity is None:
         ways.append("sparsity='auto' (only the non-zeros are stored, as COO)")
     if itemsize > 2:
@@ -173,10 +174,12 @@ def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[st
                       variables: Mapping[str, TensorSpec], *, seeds: Any) -> tuple[str, str | list[str]]:
     """The matrix-free kinds at POST (``jvp``, ``vjp``, ``hvp``, ``svd``, ``hessian_eig``, ``hessian_trace``):
     the inputs against the signature (the seeds aside), ``of``, each ``wrt`` (a name, a list, or
-    ``variables/*``), a scalar ``of`` for the Hessian kinds, seeds for the product kinds and only for them.
+    ``variables/*``), a scalar ``of`` for the Hessian kinds, seeds for the product kinds and only for them, a
+    loss' ``of`` and ``labels`` (``contracts.losses``; the labels input is not the signature's unless it names one).
     What needs the concrete shapes (the seeds' shape, ``rank`` against the sizes) the worker checks with
     the same rules (``worker.engine.matfree_rules``) and fails the job naming the field."""
-    check_signature({n: d for n, d in described.items() if n != SEEDS_MEMBER}, sig)
+    extra = {SEEDS_MEMBER} | ({options.labels} if options.labels and options.labels not in sig.inputs else set())
+    check_signature({n: d for n, d in described.items() if n not in extra}, sig)
     of = resolve_of(options.of, sig)
     kind = options.kind.value
     if options.wrt == ["variables/*"] or options.wrt == "variables/*":
@@ -196,9 +199,14 @@ def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[st
     else:
         wrt = resolve_wrt(options.wrt, sig, variables)
     spec = kind_spec(kind)
-    if spec.scalar_of:
-        with _as_signature_mismatch():
+    matrix = multiplies(spec, options.curvature)   # the Hessian (scalar of), a loss' curvature, or J
+    with _as_signature_mismatch():
+        if matrix.scalar_of:
             rules.check_hessian(of, sig.outputs[of].shape, options.reduce, outputs=sig.outputs)
+        if matrix.curvature and options.loss is not None:
+            losses.check_loss_of(options.loss, of, sig.outputs[of].shape)
+    if options.labels is not None:
+        check_labels(options, of, sig, described)
     if spec.seeds is not None and seeds is None:
         along = "(k,) + of.shape (cotangents)" if spec.seeds == "of" else "(k,) + wrt.shape (tangents)"
         raise InvalidRequest(f"seeds: kind {kind!r} needs seeds of shape {along}: the JSON field 'seeds', or the "
@@ -207,6 +215,20 @@ def check_matrix_free(options: JobOptions, sig: Signature, described: Mapping[st
         raise InvalidRequest(f"seeds: only the product kinds ({', '.join(PRODUCT_KINDS)}) take seeds; remove them",
                              field="seeds")
     return of, wrt
+
+
+def check_labels(options: JobOptions, of: str, sig: Signature, described: Mapping[str, Described]) -> None:
+    """``labels`` names a tensor of the request that fits the loss on ``of`` (``contracts.losses.check_labels``)."""
+    name = str(options.labels)
+    if name not in described:
+        given = ", ".join(repr(n) for n in sorted(described) if n != SEEDS_MEMBER) or "(none)"
+        raise InvalidRequest(f"labels: no input {name!r} in this request (it has {given}); add the labels to inputs "
+                             f"under that name (the .npz member {name!r}), or name the input that holds them",
+                             field="labels")
+    tensor = described[name]
+    with _as_signature_mismatch():
+        losses.check_labels(str(options.loss), name, tensor.dtype.name, tuple(int(d) for d in tensor.shape), of=of,
+                            of_shape=sig.outputs[of].shape)
 
 
 def check_sources(options: JobOptions, sig: Signature, of: str, wrt: str | list[str],

@@ -39,7 +39,7 @@ def event_key(record: JobRecord) -> EventKey:
     and is told when it runs again (a new start time)."""
     phase = 2 if record.status.is_terminal else int(record.status == JobStatus.running)
     started_ms = int((record.started_at or 0.0) * 1000)
-    return started_ms, phase, int((record.progress or {}).get("rows_done") or 0)
+    return started_ms, phase, record.progress.rows_done
 
 
 def format_key(key: EventKey) -> str:

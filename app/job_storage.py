@@ -19,10 +19,12 @@ def result_uri(record: JobRecord, *, use: str = "its result can be read") -> str
     """Where a succeeded job's result lies; ``JobNotFinished`` (409) until the job has succeeded.
     ``use`` is what waits for success, for the message ("its preview can be drawn")."""
     if record.status != JobStatus.succeeded:
-        detail = f" ({record.error.get('message')})" if record.error else ""
+        detail = f" ({record.error.message})" if record.error is not None else ""
         raise JobNotFinished(f"id: job {record.id!r} is {record.status.value}{detail}; {use} once its status is "
                              "'succeeded'")
-    return str((record.result or {}).get("uri") or f"{job_url(record.spec['results_url'], record.id)}/{RESULT_GROUP}")
+    if record.result is not None and record.result.uri:
+        return record.result.uri
+    return f"{job_url(record.spec['results_url'], record.id)}/{RESULT_GROUP}"
 
 
 def open_result(record: JobRecord, *, use: str = "its result can be read", sparse: bool = False) -> Any:

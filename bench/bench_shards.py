@@ -168,6 +168,7 @@ class Stack:
         from app.routes.jobs import enqueue
         from contracts.jobspec import JobStatus, ModelRef, QueuedJob
         from contracts.jobstore import JobStore
+        from contracts.records import dump
         from contracts.settings import get_settings
 
         settings = get_settings()
@@ -192,7 +193,7 @@ class Stack:
         cpu = sum(cpu_seconds(p.pid) - c for p, c in zip(self.workers, cpu0))
         if rec.status != JobStatus.succeeded:
             sys.exit(f"job {job_id} {rec.status.value}: {rec.error}; logs in {self.tmp}")
-        return seconds, {"id": job_id, "plan": rec.plan, "uri": rec.result["uri"],
+        return seconds, {"id": job_id, "plan": dump(rec.plan), "uri": rec.result.uri if rec.result else None,
                          "compute_s": (rec.finished_at or 0) - (rec.started_at or 0),
                          "cpu_share": cpu / (seconds * len(self.workers)), "parts": self.parts(job_id)}
 

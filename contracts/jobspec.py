@@ -8,7 +8,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contracts.kinds import KINDS, Family, kind_spec, kinds_taking, kinds_where, no_batch_axis_variable
+from contracts import estimators
+from contracts.kinds import (
+    CURVATURES,
+    FIELD_HELP,
+    KIND_FIELDS,
+    KINDS,
+    LOSSES,
+    Family,
+    kind_spec,
+    kinds_taking,
+    kinds_where,
+    multiplies,
+    no_batch_axis_variable,
+)
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
                     "uint8", "uint16", "uint32", "uint64", "bool")
@@ -32,6 +45,14 @@ class Kind(str, Enum):
     svd = "svd"
     hessian_eig = "hessian_eig"
     hessian_trace = "hessian_trace"
+    ggn_vp = "ggn_vp"
+    fisher_vp = "fisher_vp"
+    ggn_eig = "ggn_eig"
+    ggn_trace = "ggn_trace"
+    ihvp = "ihvp"
+    hessian_diag = "hessian_diag"
+    spectral_density = "spectral_density"
+    logdet = "logdet"
 
     @property
     def matrix_free(self) -> bool:
@@ -162,9 +183,30 @@ class JobOptions(BaseModel):
                                    "at most the job's rows); default: planned from free memory")
     rank: int | None = Field(None, ge=1, le=MAX_CHUNK_ROWS, description="svd, hessian_eig: how many singular "
                              "values or eigenpairs (largest first)")
-    tol: float | None = Field(None, gt=0, lt=0.5, description="svd, hessian_eig: relative accuracy (default 1e-4)")
+    tol: float | None = Field(None, gt=0, lt=0.5, description="svd, hessian_eig, ggn_eig: relative accuracy (default "
+                              "1e-4); ihvp: the relative residual ||(A + damping I) x - v|| / ||v|| to reach (default "
+                              "1e-5)")
+    max_iterations: int | None = Field(None, ge=1, le=1_000_000, description="svd, hessian_eig, ggn_eig, ihvp: "
+                                       "iterations allowed to meet tol (svd: subspace iterations, default 200; "
+                                       "hessian_eig, ggn_eig: Lanczos steps, default max(20 rank, 100); ihvp: "
+                                       "conjugate-gradient iterations per seed, default min(size of wrt, 1000)); not "
+                                       "converged within them, the job fails with error type NotConverged naming "
+                                       "the residuals")
+    allow_unconverged: bool = Field(False, description="svd, hessian_eig, ggn_eig: keep a result that did not meet "
+                                    "tol within max_iterations; the job succeeds with result.converged false and "
+                                    "result.warning saying so (default false: such a job fails NotConverged)")
     samples: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_trace: Hessian-vector products "
                                 "to spend (default 100; at least the wrt size gives the exact trace)")
+    probes: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_diag: Rademacher probes of "
+                               f"Hutchinson's estimate (default {estimators.DIAGONAL_PROBES}; the exact diagonal when "
+                               f"the wrt size is at most {estimators.EXACT_DIAGONAL_MAX} or probes >= it); "
+                               "spectral_density, logdet: start vectors of the Lanczos quadrature (default "
+                               f"{estimators.SLQ_PROBES}; probes >= the wrt size: its unit vectors, no sampling error)")
+    steps: int | None = Field(None, ge=1, le=estimators.MAX_STEPS, description="spectral_density, logdet: Lanczos "
+                              f"steps per probe (default {estimators.SLQ_STEPS}; at most the wrt size are taken)")
+    sigma: float | None = Field(None, gt=0, allow_inf_nan=False, description="spectral_density: the width of the "
+                                "Gaussian that smooths the density (eigenvalue units; default "
+                                f"{estimators.SIGMA_FRACTION:g} x the range of the Ritz values)")
     precision: Literal["highest", "tf32"] = Field(
         "highest", description="'highest': full float32 matmuls and convolutions on the GPU (TensorFloat-32 off, "
         "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
@@ -174,6 +216,21 @@ class JobOptions(BaseModel):
         "store it as COO (arrays rows, cols, values; see README 'Sparse Jacobians'). null: dense (the default); "
         "'auto': the pattern detected from the model's graph; {'pattern_uri': url}: given as an .npz of rows "
         "and cols; {'pattern_from': job id}: the non-zeros of an earlier job's result")
+
+    loss: Literal[LOSSES] | None = Field(  # type: ignore[valid-type]
+        None, description="ggn_vp, fisher_vp, ggn_eig, ggn_trace, ihvp with curvature 'ggn': the loss L on the output "
+        "of, as Keras computes it (the mean over examples): 'mse' (of: predictions), 'softmax_cross_entropy' (of: "
+        "logits, classes on the last axis), 'sigmoid_cross_entropy' (of: logits); see README 'Curvature kinds'")
+    labels: str | None = Field(None, min_length=1, description="fisher_vp: the name of the input that holds the "
+                               "labels (an entry of inputs, or an .npz member, besides the signature's inputs; or a "
+                               "signature input): of's shape, or for softmax_cross_entropy integer classes of "
+                               "of.shape[:-1]")
+    damping: float | None = Field(None, allow_inf_nan=False, description="ihvp: the damping added to the "
+                                  "diagonal, the solve is (A + damping I) x = v; required, > 0. logdet: log det(H + "
+                                  "damping I) (default 0); the job fails naming damping when H + damping I is not "
+                                  "positive definite")
+    curvature: Literal["hessian", "ggn"] | None = Field(None, description="ihvp: the matrix A, 'hessian' (H of a "
+                                                        "scalar of; the default) or 'ggn' (with loss)")
 
     @field_validator("sparsity", mode="before")
     @classmethod
@@ -209,19 +266,39 @@ class JobOptions(BaseModel):
             variables = [n for n in named if n.startswith("variables/")]
             if variables:
                 raise ValueError(no_batch_axis_variable(spec.name, variables[0]))
-        for name in ("rank", "tol", "samples"):
+        for name in KIND_FIELDS:
             kinds = kinds_taking(name)
-            if getattr(self, name) is not None and self.kind.value not in kinds:
+            if getattr(self, name) not in (None, False) and self.kind.value not in kinds:
                 raise ValueError(f"{name}: only for kind {' or '.join(repr(k) for k in kinds)}; remove it")
         for name in spec.required:
             if getattr(self, name) is None:
-                raise ValueError(f"{name}: kind {spec.name!r} needs {name}, how many values to compute (e.g. 5)")
+                raise ValueError(f"{name}: kind {spec.name!r} needs {name}, {FIELD_HELP.get(name, 'see its docs')}")
+        if "damping" in spec.required and self.damping is not None and self.damping <= 0:   # a solve's shift
+            raise ValueError(f"damping: kind {spec.name!r} needs a positive damping, got {self.damping:g}; "
+                             f"{FIELD_HELP['damping']}")
+        self._check_curvature()
         if self.output_dtype is not None and self.output_dtype not in STORABLE_DTYPES:
             raise ValueError(f"output_dtype: {self.output_dtype!r} cannot be stored (Zarr v3 has no bfloat16); "
                              f"use one of {', '.join(STORABLE_DTYPES)}")
         if self.sparsity is not None:
             self._check_sparsity()
         return self
+
+    def _check_curvature(self) -> None:
+        """A loss for a loss' curvature (``ggn`` products, ``ihvp`` with ``curvature: "ggn"``) and only for it."""
+        spec = kind_spec(self.kind.value)
+        uses_loss = bool(multiplies(spec, self.curvature).curvature)
+        if uses_loss and self.reduce is not None:
+            raise ValueError("reduce: the Gauss-Newton matrix is of the loss on of, not of sum(of); remove reduce")
+        if "curvature" not in spec.fields:
+            return
+        if uses_loss and self.loss is None:
+            raise ValueError(f"loss: kind {spec.name!r} with curvature {self.curvature!r} needs loss, "
+                             f"{FIELD_HELP['loss']}")
+        if not uses_loss and self.loss is not None:
+            raise ValueError(f"loss: curvature {self.curvature or 'hessian'!r} is the Hessian of of itself and takes "
+                             f"no loss; remove loss, or set curvature to one of "
+                             + ", ".join(repr(c) for c in CURVATURES if multiplies(spec, c).curvature))
 
     def _check_sparsity(self) -> None:
         """``sparsity`` only for kind ``jacobian`` with respect to one signature input."""

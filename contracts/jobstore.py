@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from redis import Redis
 
 from contracts.jobspec import ALLOWED_MOVES, JobStatus
-from contracts.records import JobPublic, PlanInfo, Progress, dump, iso_time
+from contracts.records import ErrorInfo, JobPublic, PlanInfo, Progress, ResultInfo, dump, iso_time
 
 
 class JobNotFound(KeyError):
@@ -22,16 +21,15 @@ class JobNotFound(KeyError):
 
 
 class CorruptRecord(RuntimeError):
-    """A stored job record that does not read as ``JobPublic`` (a bug of whoever wrote it)."""
+    """A stored job record that does not read as a ``JobRecord`` or ``JobPublic`` (a bug of whoever wrote it)."""
 
 
-def _not_started() -> dict[str, Any]:
-    return Progress().model_dump()
-
-
-@dataclass
-class JobRecord:
-    """A job as stored; ``progress``, ``plan``, ``result`` and ``error`` as the JSON of their records."""
+class JobRecord(BaseModel):
+    """A job as stored: ``progress``, ``plan``, ``result``, ``error`` as their records (``contracts.records``),
+    parsed once when read and dumped once when written (with the keys they were given: a record not planned
+    yet keeps ``"plan": {}``). ``spec`` is the queued job's JSON, kept a dict: a stored record stays readable
+    whatever the request rules of the code reading it (``QueuedJob`` forbids unknown keys and checks fields
+    across each other), and readers take a few keys (``kind``, ``model``, ``results_url``, ``of``, ``wrt``)."""
 
     id: str
     status: JobStatus
@@ -39,22 +37,22 @@ class JobRecord:
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None
-    progress: dict[str, Any] = field(default_factory=_not_started)
-    plan: dict[str, Any] = field(default_factory=dict)
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
+    progress: Progress = Field(default_factory=Progress.not_started)
+    plan: PlanInfo = Field(default_factory=PlanInfo)
+    result: ResultInfo | None = None
+    error: ErrorInfo | None = None
     cancel_requested: bool = False
-    deaths: list[str] = field(default_factory=list)  # how each worker that died running it died, oldest first
+    deaths: list[str] = Field(default_factory=list)  # how each worker that died running it died, oldest first
 
     def public(self) -> JobPublic:
-        """The ``GET /v1/jobs/{id}`` body; raises ``CorruptRecord`` when the stored fields do not fit it."""
+        """The ``GET /v1/jobs/{id}`` body; raises ``CorruptRecord`` when the spec's ``kind`` or ``model`` do not
+        fit it (the records are typed already)."""
         try:
-            return JobPublic.model_validate({
-                "id": self.id, "status": self.status, "progress": self.progress, "plan": self.plan,
-                "result": self.result, "error": self.error, "created_at": _iso(self.created_at),
-                "started_at": _iso(self.started_at), "finished_at": _iso(self.finished_at),
-                "kind": self.spec.get("kind"), "model": self.spec.get("model"),
-            })
+            return JobPublic(
+                id=self.id, status=self.status, progress=self.progress, plan=self.plan, result=self.result,
+                error=self.error, created_at=_iso(self.created_at), started_at=_iso(self.started_at),
+                finished_at=_iso(self.finished_at), kind=self.spec.get("kind"), model=self.spec.get("model"),
+            )
         except ValidationError as err:
             raise CorruptRecord(f"job {self.id}: the stored record is not a JobPublic: {err}") from err
 
@@ -67,7 +65,9 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else iso_time(ts)
 
 
-_JSON_FIELDS = ("spec", "progress", "plan", "result", "error")
+_RECORDS: dict[str, type[BaseModel]] = {"progress": Progress, "plan": PlanInfo, "result": ResultInfo,
+                                        "error": ErrorInfo}  # the record fields, and their models
+_NULLABLE = frozenset({"result", "error"})
 _TRANSITION_FIELDS = frozenset({"started_at", "finished_at", "progress", "plan", "result", "error"})
 
 # KEYS: the job hash, its shards hash. ARGV: the new status, TTL seconds (0: none), n, the n statuses it
@@ -109,12 +109,12 @@ return out
 """
 
 
-def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]) -> Progress:
     """The progress of a sharded job: rows summed over shards, the rate summed over unfinished ones.
 
     ``plan`` is the stored shard plan (``rows_total``, ``ranges``); ``shards`` maps a shard index to
     its last progress snapshot (shards not started yet are absent and count as zero rows done).
-    Returns ``Progress.of(...)`` as a dict (the stored form).
+    Returns ``Progress.of(...)``.
     """
     ranges = plan.get("ranges") or []
     rows_total = int(plan.get("rows_total") or sum(b - a for a, b in ranges))
@@ -125,7 +125,7 @@ def merge_shard_progress(plan: dict[str, Any], shards: dict[int, dict[str, Any]]
         done += shard_done
         if shard_done < int(snap.get("rows_total") or 0):
             rate += float(snap.get("rows_per_second") or 0.0)
-    return Progress.of(min(done, rows_total), rows_total, rate).model_dump()
+    return Progress.of(min(done, rows_total), rows_total, rate)
 
 
 class JobStore:
@@ -181,10 +181,11 @@ class JobStore:
         atomic step (a Lua script). Returns False, writing nothing, when the move is not allowed (e.g. a
         shard failing a job that was canceled meanwhile, or ``running`` to ``running``).
 
-        ``fields``: ``started_at``, ``finished_at`` (seconds since the epoch), ``progress``, ``plan``,
-        ``result``, ``error`` (records of ``contracts.records`` or their dicts). ``started_at``
-        defaults to now on a move to ``running``, ``finished_at`` to now on a move to a terminal status.
-        Raises ``JobNotFound`` (no record), ``TypeError`` (another field), ``redis.RedisError``.
+        ``fields``: ``started_at``, ``finished_at`` (seconds since the epoch), ``progress`` (a ``Progress``),
+        ``plan`` (a ``PlanInfo``), ``result`` (a ``ResultInfo`` or None), ``error`` (an ``ErrorInfo``, or None
+        to clear it). ``started_at`` defaults to now on a move to ``running``, ``finished_at`` to now on a
+        move to a terminal status. Raises ``JobNotFound`` (no record), ``TypeError`` (another field, or a
+        record field that is not its model), ``redis.RedisError``.
         """
         to = JobStatus(to)
         unknown = set(fields) - _TRANSITION_FIELDS
@@ -204,11 +205,13 @@ class JobStore:
             raise JobNotFound(job_id)
         return moved == 1
 
-    def set_fields(self, job_id: str, *, progress: Progress | dict[str, Any] | None = None,
-                   plan: PlanInfo | dict[str, Any] | None = None, cancel_requested: bool | None = None) -> bool:
+    def set_fields(self, job_id: str, *, progress: Progress | None = None, plan: PlanInfo | None = None,
+                   cancel_requested: bool | None = None) -> bool:
         """Set the fields given (None: leave as is) of an existing record, never its status (see
-        ``transition``). Returns False, writing nothing, when there is no record (e.g. it expired), so
-        that a late progress report cannot leave a record without TTL behind. Raises ``redis.RedisError``.
+        ``transition``): one ``HSET`` of those fields, the rest of the record is not rewritten. Returns False,
+        writing nothing, when there is no record (e.g. it expired), so that a late progress report cannot
+        leave a record without TTL behind. Raises ``TypeError`` (a record that is not its model),
+        ``redis.RedisError``.
         """
         given = {"progress": progress, "plan": plan, "cancel_requested": cancel_requested}
         mapping = _encode_fields({name: value for name, value in given.items() if value is not None})
@@ -258,12 +261,12 @@ class JobStore:
         raw = self.connection.hget(self.shards_key(job_id), "plan")
         return json.loads(raw) if raw else None
 
-    def update_shard_progress(self, job_id: str, index: int, progress: dict[str, Any], *,
-                              computed_rows: int = 0) -> None:
-        """Shard ``index``'s progress snapshot; ``computed_rows`` adds to its rows computed (all attempts)."""
+    def update_shard_progress(self, job_id: str, index: int, progress: Progress, *, computed_rows: int = 0) -> None:
+        """Shard ``index``'s progress snapshot (every key); ``computed_rows`` adds to its rows computed (all
+        attempts)."""
         key = self.shards_key(job_id)
         with self.connection.pipeline() as pipe:
-            pipe.hset(key, f"p{index}", json.dumps(progress))
+            pipe.hset(key, f"p{index}", json.dumps(progress.model_dump(mode="json")))
             if computed_rows:
                 pipe.hincrby(key, f"c{index}", computed_rows)
             pipe.execute()
@@ -349,45 +352,61 @@ class JobStore:
 
     @staticmethod
     def _encode(record: JobRecord) -> dict[str, str]:
+        """The whole record as hash values (``create``); later writes set single fields (``_encode_fields``)."""
         return {
             "status": record.status.value,
             "spec": json.dumps(record.spec),
             "created_at": repr(record.created_at),
             "started_at": "" if record.started_at is None else repr(record.started_at),
             "finished_at": "" if record.finished_at is None else repr(record.finished_at),
-            "progress": json.dumps(dump(record.progress)),
-            "plan": json.dumps(dump(record.plan)),
-            "result": json.dumps(dump(record.result)),
-            "error": json.dumps(dump(record.error)),
+            **{name: _record_json(name, getattr(record, name)) for name in _RECORDS},
             "cancel_requested": "1" if record.cancel_requested else "0",
             "deaths": json.dumps(record.deaths),
         }
 
     @staticmethod
     def _decode(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
+        """The record from its hash, each record field parsed into its model; ``CorruptRecord`` when one does
+        not fit (a field missing or empty, as in records older than it, reads as its default)."""
         d = {k.decode(): v.decode() for k, v in raw.items()}
 
-        def f(name: str) -> float | None:
-            return float(d[name]) if d.get(name) else None
+        def parsed(name: str, parse: Any, default: Any) -> Any:
+            try:
+                return parse(d[name]) if d.get(name) else default
+            except ValueError as err:
+                raise CorruptRecord(f"job {job_id}: the stored {name} {d[name][:80]!r} does not parse: {err}") from err
 
-        def j(name: str, default: Any) -> Any:
-            return json.loads(d[name]) if d.get(name) else default
+        try:
+            return JobRecord(
+                id=job_id, status=d.get("status", "queued"), spec=parsed("spec", json.loads, {}),
+                created_at=parsed("created_at", float, 0.0), started_at=parsed("started_at", float, None),
+                finished_at=parsed("finished_at", float, None), progress=parsed("progress", json.loads, {}),
+                plan=parsed("plan", json.loads, {}), result=parsed("result", json.loads, None),
+                error=parsed("error", json.loads, None), cancel_requested=d.get("cancel_requested") == "1",
+                deaths=parsed("deaths", json.loads, []),
+            )
+        except ValidationError as err:  # names the field
+            raise CorruptRecord(f"job {job_id}: the stored record does not read as a JobRecord: {err}") from err
 
-        return JobRecord(
-            id=job_id, status=JobStatus(d.get("status", "queued")), spec=j("spec", {}),
-            created_at=f("created_at") or 0.0, started_at=f("started_at"), finished_at=f("finished_at"),
-            progress=j("progress", {}), plan=j("plan", {}), result=j("result", None), error=j("error", None),
-            cancel_requested=d.get("cancel_requested") == "1", deaths=j("deaths", []),
-        )
+
+def _record_json(name: str, value: Any) -> str:
+    """The hash value of record field ``name``: its model dumped with the keys it was given (``null`` for a
+    ``result`` or ``error`` of None). ``TypeError`` for anything else, before anything is written."""
+    model = _RECORDS[name]
+    if isinstance(value, model) or (value is None and name in _NULLABLE):
+        return json.dumps(dump(value))
+    raise TypeError(f"{name}: give a contracts.records.{model.__name__}"
+                    f"{' or None' if name in _NULLABLE else ''}, not {type(value).__name__} "
+                    f"(a dict: {model.__name__}.model_validate(it))")
 
 
 def _encode_fields(fields: dict[str, Any]) -> dict[str, str]:
-    """Hash values of record fields: JSON for the structured ones (records dumped with the keys they were
-    given), ``"1"``/``"0"`` for ``cancel_requested``, ``repr`` for times, ``""`` for None."""
+    """Hash values of record fields: JSON for the records (``_record_json``), ``"1"``/``"0"`` for
+    ``cancel_requested``, ``repr`` for times, ``""`` for None."""
     mapping: dict[str, str] = {}
     for name, value in fields.items():
-        if name in _JSON_FIELDS:
-            mapping[name] = json.dumps(dump(value))
+        if name in _RECORDS:
+            mapping[name] = _record_json(name, value)
         elif name == "status":
             mapping[name] = JobStatus(value).value
         elif name == "cancel_requested":

@@ -53,10 +53,10 @@ class KindSpec:
     resumes from (``"blocks"``: storage blocks of rows or seeds; None: no shards / starts over);
     ``sparse_unit``: the same for the ``sparsity`` route (``"colours"``: storage blocks of the compressed
     products, one row a colour; a pattern that does not pay falls back to ``shards``). ``preview``: how
-    ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``), with ``symbol`` and ``product_axes``
-    (the tensor a product row is shaped like) for the products. ``routes``: the modes a product kind can be
-    computed by (``"forward"``: forward mode, tried first where it applies; ``"reverse"``). ``spectrum``: a
-    spectral kind's method and words (``Spectrum``).
+    ``preview.png`` draws it (``heatmap``, ``products``, ``spectrum``; ``density``: a curve over its grid), with
+    ``symbol`` and ``product_axes`` (the tensor a product row is shaped like) for the products. ``routes``: the
+    modes a product kind can be computed by (``"forward"``: forward mode, tried first where it applies;
+    ``"reverse"``). ``spectrum``: a spectral kind's method and words (``Spectrum``).
     """
 
     name: str
@@ -79,6 +79,8 @@ class KindSpec:
     product_axes: str = ""    # the products' trailing axes: "of" or "wrt", for the product kinds
     routes: tuple[str, ...] = ()
     spectrum: Spectrum | None = None
+    curvature: str = ""       # a product J^T M J with M applied on the host: "ggn" (the loss' Hessian), "fisher"
+    applies: str = ""         # the product kind a spectral kind's algorithm runs ("hvp"); "curvature": the field's
 
     @property
     def main_array(self) -> str:
@@ -105,6 +107,19 @@ _SVD = Spectrum("subspace_iteration", "Singular values of ∂{of}/∂{wrt}", "si
 _EIG = Spectrum("lanczos", "Eigenvalues of the Hessian of {of} w.r.t. {wrt}", "eigenvalue", counted="eigenpairs",
                 order="k (largest magnitude first)", residual="residual ||H v - λ v||")
 _TRACE = Spectrum("trace_estimate", "Trace of the Hessian of {of} w.r.t. {wrt}", "tr(H)")
+_GGN_EIG = Spectrum("lanczos", "Eigenvalues of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "eigenvalue",
+                    counted="eigenpairs", order="k (largest magnitude first)", residual="residual ||G v - λ v||")
+_GGN_TRACE = Spectrum("trace_estimate", "Trace of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "tr(G)")
+_DIAG = Spectrum("diagonal", "Diagonal of the Hessian of {of} w.r.t. {wrt}", "H_ii", order="i (flat wrt index)")
+_DENSITY = Spectrum("slq_density", "Spectral density of the Hessian of {of} w.r.t. {wrt}", "density",
+                    order="eigenvalue")
+_LOGDET = Spectrum("slq_logdet", "log det(H + damping·I) of {of} w.r.t. {wrt}", "log det")
+_IHVP = Spectrum("conjugate_gradients", "(A + damping I)⁻¹ v of {of} w.r.t. {wrt}", "(A + λI)⁻¹ v",
+                 residual="relative residual ||(A + λI) x - v|| / ||v||")
+
+# the iterative spectra's fields: how many values, their accuracy, the iterations allowed, and whether a result
+# that misses tol within them may be kept (else the job fails NotConverged)
+_SPECTRUM_FIELDS = ("rank", "tol", "max_iterations", "allow_unconverged")
 
 _SPECS = (
     KindSpec("jacobian", Family.dense, ("jacobian",), (("of", "wrt"),), "d of / d wrt, shape of.shape + wrt.shape",
@@ -121,18 +136,59 @@ _SPECS = (
              seeds="wrt", scalar_of=True, preview="products", symbol="H v", product_axes="wrt",
              routes=("forward", "reverse")),
     KindSpec("svd", Family.spectral, ("S", "U", "V"), (("k",), ("k", "of"), ("k", "wrt")),
-             "the rank largest singular values of J and their vectors", fields=("rank", "tol"), required=("rank",),
+             "the rank largest singular values of J and their vectors", fields=_SPECTRUM_FIELDS, required=("rank",),
              shards=None, resume=None, preview="spectrum", spectrum=_SVD),
     KindSpec("hessian_eig", Family.spectral, ("eigenvalues", "eigenvectors"), (("k",), ("k", "wrt")),
-             "the rank eigenpairs of H of largest magnitude", scalar_of=True, fields=("rank", "tol"),
-             required=("rank",), shards=None, resume=None, preview="spectrum", spectrum=_EIG),
+             "the rank eigenpairs of H of largest magnitude", scalar_of=True, fields=_SPECTRUM_FIELDS,
+             required=("rank",), shards=None, resume=None, preview="spectrum", spectrum=_EIG, applies="hvp"),
     KindSpec("hessian_trace", Family.spectral, ("trace", "stderr"), ((), ()),
              "tr(H) by Hutch++/Hutchinson with its stderr", scalar_of=True, fields=("samples",), shards=None,
-             resume=None, preview="spectrum", spectrum=_TRACE),
+             resume=None, preview="spectrum", spectrum=_TRACE, applies="hvp"),
+    KindSpec("ggn_vp", Family.products, ("products",), (("seed", "wrt"),),
+             "G v = J^T H_L J v for each seed v, H_L the loss' Hessian on of: (k,) + wrt.shape", seeds="wrt",
+             fields=("loss",), required=("loss",), preview="products", symbol="G v", product_axes="wrt",
+             routes=("reverse",), curvature="ggn"),
+    KindSpec("fisher_vp", Family.products, ("products",), (("seed", "wrt"),),
+             "F v = (1/N) sum_i g_i g_i^T v, g_i example i's loss gradient: (k,) + wrt.shape", seeds="wrt",
+             fields=("loss", "labels"), required=("loss", "labels"), preview="products", symbol="F v",
+             product_axes="wrt", routes=("reverse",), curvature="fisher"),
+    KindSpec("ggn_eig", Family.spectral, ("eigenvalues", "eigenvectors"), (("k",), ("k", "wrt")),
+             "the rank eigenpairs of the Gauss-Newton matrix G of largest magnitude",
+             fields=("loss", *_SPECTRUM_FIELDS), required=("loss", "rank"), shards=None, resume=None,
+             preview="spectrum", spectrum=_GGN_EIG, applies="ggn_vp"),
+    KindSpec("ggn_trace", Family.spectral, ("trace", "stderr"), ((), ()),
+             "tr(G) of the Gauss-Newton matrix by Hutch++/Hutchinson with its stderr", fields=("loss", "samples"),
+             required=("loss",), shards=None, resume=None, preview="spectrum", spectrum=_GGN_TRACE,
+             applies="ggn_vp"),
+    KindSpec("ihvp", Family.spectral, ("solutions", "residuals", "iterations"), (("seed", "wrt"), ("seed",),
+             ("seed",)), "(H + damping I)^-1 v or (G + damping I)^-1 v for each seed v, by conjugate gradients",
+             seeds="wrt", fields=("curvature", "damping", "loss", "max_iterations", "tol"), required=("damping",),
+             shards=None, resume=None, preview="products", symbol="(A + λI)⁻¹ v", product_axes="wrt",
+             spectrum=_IHVP, applies="curvature"),
+    KindSpec("hessian_diag", Family.spectral, ("diagonal", "stderr"), (("wrt",), ("wrt",)),
+             "diag(H): exact by unit-vector HVPs, else Hutchinson's estimate with a per-entry stderr",
+             scalar_of=True, fields=("probes",), shards=None, resume=None, preview="spectrum", spectrum=_DIAG,
+             applies="hvp"),
+    KindSpec("spectral_density", Family.spectral, ("density", "grid", "nodes", "weights"),
+             (("grid",), ("grid",), ("probe", "step"), ("probe", "step")),
+             "the eigenvalue density of H by stochastic Lanczos quadrature", scalar_of=True,
+             fields=("probes", "steps", "sigma"), shards=None, resume=None, preview="density", spectrum=_DENSITY,
+             applies="hvp"),
+    KindSpec("logdet", Family.spectral, ("logdet", "stderr"), ((), ()),
+             "log det(H + damping I) by stochastic Lanczos quadrature with its stderr", scalar_of=True,
+             fields=("probes", "steps", "damping"), shards=None, resume=None, preview="spectrum", spectrum=_LOGDET,
+             applies="hvp"),
 )
 
 KINDS: dict[str, KindSpec] = {s.name: s for s in _SPECS}
-KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # rank, samples, tol
+KIND_FIELDS = tuple(sorted({f for s in _SPECS for f in s.fields}))   # rank, samples, tol, loss, damping, ...
+LOSSES = ("mse", "softmax_cross_entropy", "sigmoid_cross_entropy")   # the ``loss`` field's values
+CURVATURES = {"hessian": "hvp", "ggn": "ggn_vp"}   # the ``curvature`` field's values: the product kind of each
+FIELD_HELP = {   # what a kind's own field holds, for "kind X needs <field>: ..." messages
+    "rank": "how many values to compute (e.g. 5)", "loss": "the loss on of, one of " + ", ".join(LOSSES),
+    "labels": "the name of the input (a member of inputs) that holds the labels",
+    "damping": "the positive damping added to the diagonal (e.g. 1e-3)",
+}
 
 
 def kind_spec(name: str) -> KindSpec:
@@ -151,8 +207,24 @@ def kinds_where(**wanted: object) -> tuple[str, ...]:
 
 
 def kinds_taking(field: str) -> tuple[str, ...]:
-    """The kinds that take the request field ``field`` (``rank``, ``tol``, ``samples``)."""
+    """The kinds that take the request field ``field`` (``rank``, ``tol``, ``max_iterations``,
+    ``allow_unconverged``, ``samples``, ``probes``, ...)."""
     return tuple(s.name for s in _SPECS if field in s.fields)
+
+
+def applied_product(spec: KindSpec, curvature: str | None = None) -> str:
+    """The product kind whose products ``spec``'s algorithm runs: its ``applies``, or for ``"curvature"`` the product
+    of the request's ``curvature`` field (default ``"hessian"``); "" for a kind with none (``svd``)."""
+    if spec.applies == "curvature":
+        return CURVATURES[curvature or "hessian"]
+    return spec.applies
+
+
+def multiplies(spec: KindSpec, curvature: str | None = None) -> KindSpec:
+    """The spec of the matrix ``spec`` multiplies by or analyses: its applied product's (``hvp``: the Hessian, scalar
+    ``of``; ``ggn_vp``: a loss' curvature), itself when it has none."""
+    product = applied_product(spec, curvature)
+    return KINDS[product] if product else spec
 
 
 def several_wrt(wrt: object) -> bool:

@@ -16,9 +16,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from contracts import rules
+from contracts import estimators, rules
 from contracts.jobspec import SEEDS_MEMBER, QueuedJob
-from contracts.kinds import Family, KindSpec, kind_spec
+from contracts.kinds import Family, KindSpec, kind_spec, multiplies
 from contracts.plans import bucket_rows
 from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
 
@@ -95,6 +95,9 @@ def _elements(shape: tuple[int, ...] | None) -> int | None:
     return None if shape is None else math.prod(shape)
 
 
+COUNTS = {"iterations": "int64", "residuals": "float64"}   # arrays of counts and residuals (ihvp), not of values
+
+
 def _arrays(kind: KindSpec, spec: QueuedJob, of_shape: tuple | None, wrt_shape: tuple | None, dtype: str,
             shapes: Shapes) -> list[ArrayQuote]:
     """The result arrays with their shapes (from the registry's ``dims``) and bytes."""
@@ -106,12 +109,14 @@ def _arrays(kind: KindSpec, spec: QueuedJob, of_shape: tuple | None, wrt_shape: 
         "batch": wrt_shape[:1] if wrt_shape else None, "seed": None if k is None else (k,),
         "k": None if k is None else (k,)}
     words["wrt2"] = words["wrt"]
+    words |= estimators.shape_words(kind.fields, spec.probes, spec.steps, _elements(words["wrt"]))
     out = []
     for name, dims in zip(kind.arrays, kind.dims, strict=True):
         parts = [words.get(d) for d in dims]
         shape = None if any(p is None for p in parts) else [int(n) for p in parts for n in p]  # type: ignore[union-attr]
-        size = None if shape is None else math.prod(shape) * np.dtype(dtype).itemsize
-        out.append(ArrayQuote(name=name, shape=shape, dtype=dtype, bytes=size))
+        own = COUNTS.get(name, dtype)
+        size = None if shape is None else math.prod(shape) * np.dtype(own).itemsize
+        out.append(ArrayQuote(name=name, shape=shape, dtype=own, bytes=size))
     return out
 
 
@@ -128,21 +133,34 @@ def resolved_mode(kind: KindSpec, mode: str, of_shape: tuple | None, wrt_shape: 
 def _passes(kind: KindSpec, spec: QueuedJob, mode: str, of_shape: tuple | None, wrt_shape: tuple | None,
             shapes: Shapes) -> Passes:
     n_wrt = _elements(wrt_shape)
+    per = 2 if multiplies(kind, spec.curvature).curvature else 1   # a curvature product: a JVP and a VJP
+    what = "Hessian-vector products" if per == 1 else "curvature products (a JVP and a VJP each)"
     if kind.family is Family.products:
         seeds = shapes.get(SEEDS_MEMBER)
-        return Passes(unit="products", count=seeds[0][0] if seeds and seeds[0] else None, estimate=False,
-                      note="one product a seed")
+        count = seeds[0][0] * per if seeds and seeds[0] else None
+        return Passes(unit="products", count=count, estimate=False,
+                      note="one product a seed" if per == 1 else "a JVP and a VJP a seed")
     if kind.family is Family.spectral:
-        if kind.fields and "samples" in kind.fields:
+        if "probes" in kind.fields:
+            count, note = estimators.products(kind.fields, spec.probes, spec.steps, n_wrt)
+            return Passes(unit="products", count=count, estimate=estimators.is_quadrature(kind.fields), note=note)
+        algorithm = kind.spectrum.algorithm if kind.spectrum else ""
+        if algorithm == "trace_estimate":
             samples = spec.samples or 100
             count = min(samples, n_wrt) if n_wrt else samples
-            return Passes(unit="products", count=count, estimate=False,
-                          note="Hessian-vector products (the exact trace when samples >= the wrt size)")
+            return Passes(unit="products", count=count * per, estimate=False,
+                          note=f"{what} (the exact trace when samples >= the wrt size)")
+        if algorithm == "conjugate_gradients":
+            seeds = shapes.get(SEEDS_MEMBER)
+            k = seeds[0][0] if seeds and seeds[0] else 1
+            steps = min(n_wrt or 1000, spec.max_iterations or 1000, 100)
+            return Passes(unit="products", count=k * steps * per, estimate=True,
+                          note=f"{what}, one a seed per conjugate-gradient iteration until tol (guessed {steps})")
         rank = spec.rank or 1
-        if kind.scalar_of:   # Lanczos
+        if algorithm == "lanczos":
             count = min(n_wrt, 2 * rank + 10) if n_wrt else 2 * rank + 10
-            return Passes(unit="products", count=count, estimate=True,
-                          note="Lanczos steps, one Hessian-vector product each, until the eigenpairs converge")
+            return Passes(unit="products", count=count * per, estimate=True,
+                          note=f"Lanczos steps, one of the {what} each, until the eigenpairs converge")
         width = rank + max(5, rank)
         return Passes(unit="products", count=2 * width, estimate=True,
                       note=f"per subspace iteration (J v and vᵀ J for a block of {width}); iterations until tol")

@@ -17,7 +17,7 @@ from contracts.jobspec import JobStatus, Kind, ModelRef
 
 class Progress(BaseModel):
     """Rows of the job's result done so far: ``rows_done`` of ``rows_total``, ``fraction`` (0..1),
-    ``rows_per_second`` and ``eta_seconds`` (None: unknown). ``Progress()`` is a job not started yet
+    ``rows_per_second`` and ``eta_seconds`` (None: unknown). ``Progress.not_started()`` is a job not started yet
     (rows_total unknown until a worker has loaded the model); ``Progress.of`` is every other state."""
 
     rows_done: int = 0
@@ -25,6 +25,11 @@ class Progress(BaseModel):
     fraction: float = 0.0
     rows_per_second: float | None = None
     eta_seconds: float | None = None
+
+    @classmethod
+    def not_started(cls) -> Progress:
+        """``Progress()`` with every key set: a new job's record stores and serves all five (``rows_total`` null)."""
+        return cls(rows_done=0, rows_total=None, fraction=0.0, rows_per_second=None, eta_seconds=None)
 
     @classmethod
     def of(cls, rows_done: int, rows_total: int, rows_per_second: float) -> Progress:
@@ -74,6 +79,10 @@ class ResultInfo(BaseModel):
     format: str | None = Field(None, description="'coo' for a sparse Jacobian (arrays rows, cols, values, indptr "
                                "in the group); absent for a dense result")
     dense_shape: list[int] | None = Field(None, description="format 'coo': the matrix's shape [n_of, n_wrt]")
+    converged: bool | None = Field(None, description="svd, hessian_eig: whether every value met tol (false only "
+                                   "when the request said allow_unconverged: true)")
+    warning: str | None = Field(None, description="what is wrong with a result kept anyway (an unconverged "
+                                "spectrum: its largest residual against tol)")
 
 
 class ErrorInfo(BaseModel):

@@ -36,7 +36,10 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _fail(kind: str, message: str, code: int = 2) -> int:
-    print(f"error: {kind}: {message}", file=sys.stderr, flush=True)
+    """Print the API's error in the command line's spelling (``jacobian.cli_words.as_flag``); return ``code``."""
+    from jacobian.cli_words import as_flag
+
+    print(f"error: {kind}: {as_flag(message)}", file=sys.stderr, flush=True)
     return code
 
 
@@ -55,6 +58,7 @@ def _show_record(progress: Any, record: dict[str, Any]) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Post the .npz as the body (options as query parameters); print the id; ``--wait`` shows progress."""
+    from jacobian.cli_matfree import kind_options
     from jacobian.client import JacobianError, JobFailed
 
     path = Path(args.input)
@@ -72,7 +76,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                "memory_budget_bytes": args.memory_budget, "reduce": args.reduce,
                "check_independence": True if args.check_independence else None,
                "output_dtype": args.output_dtype, "chunk_rows": args.chunk_rows, "shards": args.shards,
-               "precision": args.precision, "rank": args.rank, "tol": args.tol, "samples": args.samples,
+               "precision": args.precision, **kind_options(args),
                "sparsity": sparsity_option(args.sparsity), "timeout_s": args.job_timeout}
     with _client(args) as client:
         if args.dry_run:
@@ -138,7 +142,9 @@ def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, f
     finally:
         progress.close()
     result = record.get("result") or {}
-    print(f"succeeded: {job_id} shape {result.get('shape')} {result.get('dtype')} at {result.get('uri')}",
+    unconverged = f"; NOT CONVERGED, kept by --allow-unconverged: {result.get('warning')}" \
+        if result.get("converged") is False else ""
+    print(f"succeeded: {job_id} shape {result.get('shape')} {result.get('dtype')} at {result.get('uri')}{unconverged}",
           file=sys.stderr, flush=True)
     return 0
 

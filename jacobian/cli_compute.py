@@ -18,6 +18,7 @@ from typing import Any
 from contracts.kinds import KINDS as REGISTERED
 from jacobian.cli_matfree import add_arguments as add_matfree_arguments
 from jacobian.cli_sparse import add_arguments as add_sparse_arguments
+from jacobian.cli_words import as_flag, cli_spelling
 
 _STARTED = time.perf_counter()
 KINDS = tuple(REGISTERED)
@@ -30,7 +31,7 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from contracts.settings import get_settings
-    from jacobian.cli_matfree import load_seeds
+    from jacobian.cli_matfree import kind_options, load_seeds
     from jacobian.cli_sparse import parse_sparsity
     from jacobian.progress import RowProgress
     from worker.engine import EngineError
@@ -43,8 +44,8 @@ def cmd_compute(args: argparse.Namespace) -> int:
     wrt = args.wrt[0] if args.wrt and len(args.wrt) == 1 else args.wrt
     options = {"of": args.of, "wrt": wrt, "kind": args.kind, "mode": args.mode, "reduce": args.reduce,
                "check_independence": args.check_independence, "output_dtype": args.output_dtype,
-               "precision": args.precision, "chunk_rows": args.chunk_rows, "rank": args.rank, "tol": args.tol,
-               "samples": args.samples, "sparsity": parse_sparsity(args.sparsity)}
+               "precision": args.precision, "chunk_rows": args.chunk_rows, **kind_options(args),
+               "sparsity": parse_sparsity(args.sparsity)}
     try:
         job = local_job(options, model_path=str(Path(args.model).expanduser().resolve()), signature=args.signature,
                         out=args.out, job_id=job_id, inputs_path=args.input)
@@ -97,31 +98,6 @@ def _dry_run(job: Any, args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-FLAGS = ("wrt", "of", "rank", "tol", "samples", "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
-         "memory_budget_bytes", "chunk_rows", "inputs")
-
-
-def as_flag(message: str) -> str:
-    """A message that starts with a request field (``wrt: ...``) in the command line's spelling (``--wrt: ...``),
-    and the API's ``reduce='sum'`` as ``--reduce sum``."""
-    head, sep, rest = message.partition(":")
-    name = head.split(".")[0]
-    if sep and name in FLAGS:
-        flag = {"memory_budget_bytes": "memory-budget", "inputs": "input"}.get(name, name.replace("_", "-"))
-        message = f"--{flag}{head[len(name):]}:{rest}"
-    return message.replace("reduce='sum'", "--reduce sum").replace("GET /v1/models/signature", "the model's signature")
-
-
-def cli_spelling(err: Any) -> str:
-    """A request refused by the rules (a ``pydantic.ValidationError``) in the command line's words."""
-    parts = []
-    for e in err.errors():
-        message = str(e.get("msg", "")).removeprefix("Value error, ")
-        field = ".".join(str(p) for p in e.get("loc", ()) if not isinstance(p, int))
-        parts.append(as_flag(message if ":" in message.split(" ")[0] or not field else f"{field}: {message}"))
-    return "; ".join(parts)
-
-
 def done_line(manifest: dict[str, Any], since_start_s: float) -> str:
     """The ``done:`` line: what was computed, by which route, how fast."""
     plan = manifest.get("plan") or {}
@@ -136,6 +112,8 @@ def done_line(manifest: dict[str, Any], since_start_s: float) -> str:
     elif "method" in plan:
         lines.append(f"done: {plan.get('kind')} by {plan['method']}, {plan.get('iterations')} iterations, products "
                      f"{plan.get('products')}, {plan.get('run_seconds')} s")
+        if manifest.get("converged") is False:
+            lines[-1] += f"; NOT CONVERGED, kept by --allow-unconverged: {manifest.get('warning')}"
     else:
         rows = plan.get("rows_computed") or 0
         rate = rows / max(plan.get("run_seconds") or 1e-9, 1e-9)

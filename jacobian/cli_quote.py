@@ -32,7 +32,8 @@ def local_quote(job: QueuedJob, *, inputs_path: str, seeds_path: str | None, cac
         seeds = np.load(seeds_path, mmap_mode="r", allow_pickle=False)
         shapes[SEEDS_MEMBER] = (tuple(seeds.shape), seeds.dtype.name)
     variables = info.variables_of(sig.name)
-    specs = {n: rules.Spec(d, s) for n, (s, d) in shapes.items() if n != SEEDS_MEMBER}
+    extra = {SEEDS_MEMBER} | ({job.labels} if job.labels and job.labels not in sig.inputs else set())
+    specs = {n: rules.Spec(d, s) for n, (s, d) in shapes.items() if n not in extra}
     wrt: Any
     if kind_spec(job.kind).matrix_free or several_wrt(job.wrt):
         rules.check_inputs(specs, sig.inputs, signature=sig.name)

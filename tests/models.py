@@ -182,6 +182,21 @@ def quadratic(path: Path, *, n: int = 6) -> Path:
     return path
 
 
+def linear(path: Path, *, n: int = 40) -> Path:
+    """``y = a x``: J w.r.t. ``x`` (n,) is the input ``a`` (n, n), float64, so a test sets the singular values."""
+    import tensorflow as tf
+
+    class Linear(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([n], tf.float64, name="x"),
+                                      tf.TensorSpec([n, n], tf.float64, name="a")])
+        def __call__(self, x, a):
+            return {"y": tf.linalg.matvec(a, x)}
+
+    m = Linear()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
 def depthwise_small(path: Path) -> Path:
     """``tf.nn.depthwise_conv2d`` with a fixed filter, then tanh: ``image`` (None, 5, 5, 2) -> ``y`` (None, 3, 3, 4)
     and ``loss`` (); pfor needs ``worker.engine.pfor_patches`` to vectorize its JVPs and HVPs w.r.t. ``image``."""

@@ -87,18 +87,89 @@ def array_ops(path: Path) -> Path:
 
 
 def no_rule(path: Path) -> Path:
-    """``cumsum`` and ``matrix_band_part``, ops without an index-set rule: ``x`` (3, 4) -> ``y``."""
+    """``sort`` (``TopKV2``), an op without an index-set rule: ``x`` (3, 4) -> ``y``."""
     import tensorflow as tf
 
     class NoRule(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([3, 4], tf.float32, name="x")])
         def __call__(self, x):
-            return {"y": tf.math.cumsum(tf.sin(x), axis=1) * 2.0}
+            return {"y": tf.sort(tf.sin(x), axis=1) * 2.0}
 
     m = NoRule()
     tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
     return path
 
 
+# One output per op family with an index-set rule (issue 30), all of ``x`` (6, 4): each output's detected pattern
+# must equal the non-zeros of its dense Jacobian, and none of them may take the conservative rule.
+INDEX_OPS = {
+    "reshape": lambda tf, x, w: tf.reshape(tf.squeeze(tf.expand_dims(x, 1), axis=[1]), [3, 8]),
+    "squeeze_all": lambda tf, x, w: tf.squeeze(tf.reshape(x[:, :1], [1, 6, 1])),
+    "segment_sum": lambda tf, x, w: tf.math.segment_sum(tf.tanh(x), [0, 0, 1, 2, 2, 2]),
+    "segment_mean": lambda tf, x, w: tf.math.segment_mean(x, [0, 1, 1, 1, 3, 3]),
+    "segment_prod": lambda tf, x, w: tf.math.segment_prod(x, [0, 0, 0, 1, 1, 2]),
+    "unsorted_segment_sum": lambda tf, x, w: tf.math.unsorted_segment_sum(x, [2, 0, -1, 2, 1, 0], 4),
+    "unsorted_segment_2d": lambda tf, x, w: tf.math.unsorted_segment_sum(
+        x, tf.constant([[0, 1, 1, 2]] * 3 + [[3, 3, 0, 0]] * 3), 5),
+    "sparse_segment_sum": lambda tf, x, w: tf.sparse.segment_sum(x, [0, 2, 2, 5], [0, 0, 1, 1]),
+    "sparse_segment_mean": lambda tf, x, w: tf.sparse.segment_mean(x, [4, 1, 3], [0, 2, 2], num_segments=4),
+    "scatter_nd": lambda tf, x, w: tf.scatter_nd([[1], [3], [1]], x[:3], [5, 4]),
+    "scatter_nd_elements": lambda tf, x, w: tf.scatter_nd([[0, 1], [2, 3], [0, 1]],
+                                                          tf.reshape(x, [-1])[4:7], [3, 4]),
+    "tensor_scatter_update": lambda tf, x, w: tf.tensor_scatter_nd_update(x, [[1], [4]], x[2:4] * 2.0),
+    "tensor_scatter_add": lambda tf, x, w: tf.tensor_scatter_nd_add(x, [[0, 0], [5, 3], [0, 0]],
+                                                                    tf.stack([x[1, 1], x[2, 2], x[3, 0]])),
+    "tensor_scatter_sub_const": lambda tf, x, w: tf.tensor_scatter_nd_sub(x, [[2, 1]], [1.0]),
+    "gather_nd": lambda tf, x, w: tf.gather_nd(x, [[0, 1], [5, 2], [3, 3], [0, 1]]),
+    "gather_nd_rows": lambda tf, x, w: tf.gather_nd(x, [[1], [4], [1]]),
+    "cumsum": lambda tf, x, w: tf.cumsum(x, axis=0),
+    "cumsum_exclusive_reverse": lambda tf, x, w: tf.cumsum(x, axis=1, exclusive=True, reverse=True),
+    "cumprod": lambda tf, x, w: tf.math.cumprod(x, axis=-1),
+    "cumulative_logsumexp": lambda tf, x, w: tf.math.cumulative_logsumexp(x, axis=0),
+    "pad": lambda tf, x, w: tf.pad(x, [[1, 0], [0, 2]]),
+    "pad_constant": lambda tf, x, w: tf.pad(x, [[0, 1], [2, 0]], constant_values=3.0),
+    "mirror_pad": lambda tf, x, w: tf.pad(x, [[1, 1], [2, 2]], mode="REFLECT"),
+    "symmetric_pad": lambda tf, x, w: tf.pad(x, [[2, 0], [0, 1]], mode="SYMMETRIC"),
+    "tile": lambda tf, x, w: tf.tile(x[:2], [2, 3]),
+    "strided": lambda tf, x, w: x[::2, 1:],
+    "strided_shrink_reverse": lambda tf, x, w: x[1, ::-1],
+    "strided_new_axis": lambda tf, x, w: x[4:0:-2, None, 2],
+    "einsum_matmul": lambda tf, x, w: tf.einsum("ij,jk->ik", x, w),
+    "einsum_outer": lambda tf, x, w: tf.einsum("ij,ik->jik", x, tf.sin(x)),
+    "einsum_sum": lambda tf, x, w: tf.einsum("ij->j", x),
+}
+
+
+def index_ops(path: Path) -> Path:
+    """A ``tf.Module`` with one output per entry of ``INDEX_OPS``: ``x`` (6, 4) -> each op's result."""
+    import numpy as np
+    import tensorflow as tf
+
+    class IndexOps(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = tf.Variable(np.random.default_rng(1).standard_normal((4, 3)).astype("float32"))
+
+        @tf.function(input_signature=[tf.TensorSpec([6, 4], tf.float32, name="x")])
+        def __call__(self, x):
+            return {name: fn(tf, x, self.w) for name, fn in INDEX_OPS.items()}
+
+    m = IndexOps()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
+def conv1d_net(path: Path, *, length: int = 32, channels: int = 2) -> Path:
+    """Keras Conv1D layers as users stack them (causal and dilated, same, strided valid): ``x`` (None, length,
+    channels) -> ``y``. Keras emits ExpandDims, Conv2D, Squeeze, Pad, SpaceToBatchND and BatchToSpaceND."""
+    keras = _keras()
+    inp = keras.Input((length, channels), name="x")
+    h = keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="tanh", name="causal")(inp)
+    h = keras.layers.Conv1D(3, 2, padding="same", activation="tanh", name="same")(h)
+    h = keras.layers.Conv1D(2, 3, padding="valid", strides=2, name="strided")(h)
+    keras.Model(inp, {"y": h}).export(str(path), verbose=False)
+    return path
+
+
 SPARSE_BUILDERS = {"conv": conv_net, "depthwise": depthwise_net, "relu_pool": relu_pool_net, "mlp": mlp,
-                   "array_ops": array_ops, "no_rule": no_rule}
+                   "array_ops": array_ops, "no_rule": no_rule, "index_ops": index_ops, "conv1d": conv1d_net}

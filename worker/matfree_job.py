@@ -1,10 +1,14 @@
-"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp`` (products of ``seeds``), ``svd``, ``hessian_eig``
-and ``hessian_trace`` (spectra) computed by ``worker.engine.matfree``/``spectra`` without forming the matrix,
-written as arrays of the job's result group (``{job}/result.zarr``) with ``dimension_names``, the group sealed
-and ``manifest.json`` written last, as for the dense kinds (``worker.pipeline``).
+"""A matrix-free job to storage: kinds ``jvp``, ``vjp``, ``hvp``, ``ggn_vp``, ``fisher_vp`` (products of ``seeds``),
+``svd``, ``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace``, ``hessian_diag``, ``spectral_density``,
+``logdet`` (spectra) and ``ihvp`` (solves) computed by
+``worker.engine.matfree``/``spectra``/``solve`` without forming the matrix, written as arrays of the job's result
+group (``{job}/result.zarr``) with ``dimension_names``, the group sealed and ``manifest.json`` written last, as for
+the dense kinds (``worker.pipeline``).
 
 Arrays (DESIGN.md, "Storage"): ``products`` ``(seed,) + of`` (jvp) or ``(seed,) + wrt``; ``S (k,)``, ``U (k,) +
-of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d). The
+of``, ``V (k,) + wrt``; ``eigenvalues (k,)``, ``eigenvectors (k,) + wrt``; ``trace`` and ``stderr`` (0-d);
+``solutions (seed,) + wrt``, ``residuals (seed,)``, ``iterations (seed,)`` (ihvp); ``diagonal`` and ``stderr``
+(``wrt``); ``density`` and ``grid`` ``(grid,)``, ``nodes`` and ``weights`` ``(probe, step)``; ``logdet``. The
 ``wrt`` axes are ``wrt_0, ...`` for one source and one flat ``wrt`` axis for several (``wrt_slices`` in the
 group's attributes says where each lies). Products are written block by block with commit markers (a retried
 job computes only the blocks not committed); the spectra start over when retried.
@@ -23,7 +27,7 @@ import numpy as np
 
 from contracts import storage
 from contracts.jobspec import MATRIX_FREE_KINDS
-from contracts.kinds import KINDS, Family, kind_spec
+from contracts.kinds import FIELD_HELP, KINDS, Family, kind_spec
 from contracts.layout import MAIN_ARRAYS, RESULT_GROUP, array_dimension_names, job_url
 from contracts.records import iso_time
 from worker import result_group
@@ -46,9 +50,10 @@ def dimension_names(op: Any, kind: str) -> dict[str, list[str]]:
 @dataclass
 class MatFreeRun:
     """One matrix-free run into ``{results_url}/{job_id}/``: the kind's arguments (``seeds``, ``rank``, ``tol``,
-    ``samples``), ``chunk_size`` (None: planned from memory), ``on_progress(done, total)`` (seeds or iterations),
-    ``should_stop``, what the manifest adds, ``block_bytes`` (the products' storage blocks, default 32 MiB: the
-    unit a retried job resumes from) and, for a shard, its seeds ``rows`` written into the existing array."""
+    ``max_iterations``, ``allow_unconverged``, ``samples``, ``probes``, ...), ``chunk_rows`` (None: planned from
+    memory), ``on_progress(done, total)`` (seeds or iterations), ``should_stop``, what the manifest adds,
+    ``block_bytes`` (the products' storage blocks, default 32 MiB: the unit a retried job resumes from) and, for a
+    shard, its seeds ``rows`` written into the existing array."""
 
     results_url: str
     job_id: str
@@ -56,7 +61,16 @@ class MatFreeRun:
     rank: int | None = None
     tol: float | None = None
     samples: int | None = None
-    chunk_size: int | None = None
+    loss: str | None = None
+    labels: str | None = None
+    damping: float | None = None
+    curvature: str | None = None
+    max_iterations: int | None = None
+    allow_unconverged: bool = False
+    probes: int | None = None
+    steps: int | None = None
+    sigma: float | None = None
+    chunk_rows: int | None = None
     on_progress: Callable[[int, int | None], None] | None = None
     should_stop: Callable[[], bool] | None = None
     manifest_fields: dict[str, Any] | None = None
@@ -73,7 +87,7 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
     from worker.engine import spectra
 
     run = MatFreeRun(results_url=results_url, job_id=job_id, **options)
-    chunk_size = run.chunk_size
+    chunk_rows = run.chunk_rows
     on_progress, should_stop = run.on_progress, run.should_stop
     base = storage.normalize(job_url(results_url, job_id))
     group_url = storage.join(base, RESULT_GROUP)
@@ -89,12 +103,14 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
         if run.seeds is None:
             raise _missing("seeds", kind)
         result, stored = _products(op, kind, run)
-    else:   # a spectrum: the kind's own fields (rank, tol; samples), the required ones given
+    else:   # a spectrum or a solve: the kind's own fields (rank, tol; samples; damping, ...), the required ones given
         storage.delete_prefix(group_url)
         stored = {}
         args = {f: _required(getattr(run, f), f, kind) if f in spec.required else getattr(run, f)
                 for f in spec.fields}
-        result = spectra.spectral(op, kind, **args, chunk_size=chunk_size, progress=on_progress,
+        if spec.seeds is not None:
+            args["seeds"] = _required(run.seeds, "seeds", kind)
+        result = spectra.spectral(op, kind, **args, chunk_rows=chunk_rows, progress=on_progress,
                                   should_stop=should_stop)
         _write_small(group_url, op, kind, result, dims)
     seconds = time.monotonic() - t0
@@ -114,6 +130,10 @@ def compute_matfree_to_storage(op: Any, kind: str, *, results_url: str, job_id: 
                 **{k: v for k, v in (run.manifest_fields or {}).items() if v is not None}}
     if result.residuals is not None:
         manifest["residuals"] = [float(r) for r in np.asarray(result.residuals, np.float64)]
+    if spec.family is not Family.products:
+        manifest["converged"] = bool(result.converged)
+        if "warning" in result.attrs:
+            manifest["warning"] = str(result.attrs["warning"])
     write_manifest(base, manifest)
     return manifest
 
@@ -142,7 +162,7 @@ def _products(op: Any, kind: str, run: MatFreeRun) -> Any:
     from worker.engine.matfree import run_products
 
     seeds = np.asarray(run.seeds)
-    on_progress, should_stop, chunk_size = run.on_progress, run.should_stop, run.chunk_size
+    on_progress, should_stop, chunk_rows = run.on_progress, run.should_stop, run.chunk_rows
     k = int(seeds.shape[0]) if seeds.ndim else 0
     dtype = np.dtype(op.dtype)
     writer = products_writer(op, kind, k, run.results_url, run.job_id, block_bytes=run.block_bytes, rows=run.rows,
@@ -161,7 +181,7 @@ def _products(op: Any, kind: str, run: MatFreeRun) -> Any:
                 if on_progress is not None:
                     on_progress(before + seeds_done, writer.rows_total)
 
-            result = run_products(op, kind, seeds[start:stop], chunk_size=chunk_size, progress=progress,
+            result = run_products(op, kind, seeds[start:stop], chunk_rows=chunk_rows, progress=progress,
                                   should_stop=should_stop, on_chunk=keep)
             spent = {name: spent.get(name, 0) + count for name, count in result.products.items()}
             done += stop - start
@@ -196,19 +216,18 @@ def _runs(writer: Any, held_bytes: int) -> list[tuple[int, int]]:
 
 
 def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str, list[str]]) -> None:
-    """The spectra's arrays (at most ``rank`` vectors): written whole, vectors in the axes' shapes."""
+    """The spectra's arrays (a few vectors, a diagonal, a density): written whole, flat ``of`` and ``wrt`` axes in
+    their tensors' shapes (the kind's ``dims``)."""
     import zarr
 
     attrs = jsonable({**_attrs(op, kind), **result.attributes()})
-    if "stderr" in result.arrays:  # the trace's standard error, for readers of the trace array alone
-        attrs["stderr_value"] = float(np.asarray(result.arrays["stderr"]))
+    stderr = result.arrays.get("stderr")
+    if stderr is not None and np.ndim(stderr) == 0:  # a 0-d value's standard error, for readers of its array alone
+        attrs["stderr_value"] = float(np.asarray(stderr))
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
+    words = kind_spec(kind)
     for name, value in result.arrays.items():
-        data = np.asarray(value)
-        if name in ("V", "eigenvectors") and data.ndim == 2 and len(dims[name]) != 2:
-            data = data.reshape((data.shape[0],) + tuple(op.axis.shape))
-        if name == "U" and data.ndim == 2 and len(dims[name]) != 2:
-            data = data.reshape((data.shape[0],) + tuple(op.of_shape))
+        data = _shaped(np.asarray(value), words.dims_of(name) if name in words.arrays else (), op)
         names = dims.get(name) or [f"{name}_{i}" for i in range(data.ndim)]
         if len(names) != data.ndim:
             names = [f"{name}_{i}" for i in range(data.ndim)]
@@ -217,21 +236,31 @@ def _write_small(group_url: str, op: Any, kind: str, result: Any, dims: dict[str
         array[...] = data
 
 
+def _shaped(data: np.ndarray, words: tuple[str, ...], op: Any) -> np.ndarray:
+    """``data`` with its trailing flat ``of`` or ``wrt`` axis in that tensor's shape (``words``: the array's
+    ``KindSpec.dims``, the other axes leading, e.g. ``("k", "wrt")``)."""
+    tail = {"of": tuple(op.of_shape), "wrt": tuple(op.axis.shape)}
+    if not words or words[-1] not in tail or data.ndim != len(words):
+        return data
+    return data.reshape(data.shape[:-1] + tail[words[-1]])
+
+
 def _attrs(op: Any, kind: str) -> dict[str, Any]:
     return jsonable({**op.attrs(), "kind": kind})
 
 
-def _required(value: int | None, field: str, kind: str) -> int:
+def _required(value: Any, field: str, kind: str) -> Any:
     if value is None:
         raise _missing(field, kind)
-    return int(value)
+    return value
 
 
 def _missing(field: str, kind: str) -> Exception:
     from worker.engine.errors import InvalidRequest
 
     what = {"seeds": "the vectors to multiply, shape (k,) + wrt.shape (jvp, hvp) or (k,) + of.shape (vjp)",
-            "rank": "how many singular values or eigenpairs, e.g. 5"}.get(field, "see the kind's fields")
+            "rank": "how many singular values or eigenpairs, e.g. 5"}.get(field) \
+        or FIELD_HELP.get(field, "see its docs")
     return InvalidRequest(f"{field}: kind {kind!r} needs {field}: {what}", field=field)
 
 
@@ -239,7 +268,7 @@ def compute_products_shard(op: Any, kind: str, seeds: np.ndarray, *, results_url
                            rows: tuple[int, int], **options: Any) -> dict[str, int]:
     """One shard of a sharded product job: seeds ``rows`` into the ``products`` array its planner created
     (``products_writer(create=True)``), resuming from the committed blocks; returns the products spent.
-    ``options``: ``block_bytes``, ``chunk_size``, ``on_progress``, ``should_stop`` (``MatFreeRun``)."""
+    ``options``: ``block_bytes``, ``chunk_rows``, ``on_progress``, ``should_stop`` (``MatFreeRun``)."""
     run = MatFreeRun(results_url=results_url, job_id=job_id, seeds=np.asarray(seeds), rows=rows, create=False,
                      **options)
     result, _ = _products(op, kind, run)

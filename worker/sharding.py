@@ -119,7 +119,7 @@ def credit_committed(store: Any, job_id: str, split: ShardPlan, blocks: list[Any
     for i, (lo, hi) in enumerate(split.ranges):
         rows = sum(b.row_stop - b.row_start for b in blocks if b.index in committed and lo <= b.row_start < hi)
         if rows:
-            store.update_shard_progress(job_id, i, Progress.of(rows, hi - lo, 0.0).model_dump(), computed_rows=rows)
+            store.update_shard_progress(job_id, i, Progress.of(rows, hi - lo, 0.0), computed_rows=rows)
 
 
 def live_workers(connection: Any, queue: Any, *, recent_s: float | None = None,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from contracts import storage
 from contracts.layout import COMMITTED_DIR, RESULT_GROUP, job_url
 from contracts.records import iso_time
 from worker import result_group
+from worker.sparse_pattern import find_pattern, no_rule_note, pattern_cache, source_of
 from worker.storage import jsonable, write_manifest
 
 if TYPE_CHECKING:
@@ -52,12 +52,6 @@ class SparseRun:
 
     def timed(self, stage: str, started: float) -> None:
         self.seconds[stage] = round(time.monotonic() - started, 3)
-
-
-def source_of(sparsity: Any) -> str:
-    if isinstance(sparsity, dict):
-        return next(iter(sparsity))
-    return str(sparsity)
 
 
 def compute_sparse_to_storage(ctx: RunContext, *, shared_cache: Any = None,
@@ -115,22 +109,25 @@ def prepare_sparse(ctx: RunContext, *, shared_cache: Any = None, check_host: boo
     wrt_name = op.axis.names[0]
     n_of, n_wrt = op.n_of, op.n_wrt
     t0 = time.monotonic()
-    cache = _cache(ctx.cache_dir or str(default_cache_dir()), shared_cache)
+    cache = pattern_cache(ctx.cache_dir or str(default_cache_dir()), shared_cache)
     arrays = {n: np.asarray(v) for n, v in inputs.items()}
     key = cache_key(model, arrays, of=op.of, wrt=wrt_name) if source == "auto" else ""
-    pattern, colouring, reason = _pattern(model, op, arrays, sparsity, source, (n_of, n_wrt), cache, key,
-                                          ctx.previous_result, wrt_name)
+    no_rule: dict[str, str] = {}
+    pattern, colouring, reason = find_pattern(model, op, arrays, sparsity, source, (n_of, n_wrt), cache, key,
+                                          ctx.previous_result, wrt_name, no_rule)
     run.timed("pattern", t0)
+    named = {"no_rule": no_rule} if no_rule else {}
     if pattern is None:
         return DenseInstead({"source": source, "nnz": None, "density": None, "colors": None, "verified": False,
-                             "fallback": reason, "seconds": run.seconds})
+                             "fallback": reason + no_rule_note(no_rule), **named, "seconds": run.seconds})
     t0 = time.monotonic()
     sp_plan = compressed.plan(pattern, colouring)
     run.timed("colouring", t0)
     if source == "auto" and colouring is None and sp_plan.colouring is not None:
-        cache.put(key, pattern, tuple(op.of_shape), sp_plan.colouring)
-    summary = sp_plan.summary(source)
+        cache.put(key, pattern, tuple(op.of_shape), sp_plan.colouring, no_rule)
+    summary = {**sp_plan.summary(source), **named}
     if not sp_plan.sparse:
+        summary["fallback"] += no_rule_note(no_rule)
         return DenseInstead({**summary, "seconds": run.seconds})
     held = sp_plan.colouring.count * (n_of + n_wrt) * np.dtype(op.compute_dtype).itemsize
     host = _host_free(probe) if check_host else None
@@ -237,7 +234,7 @@ def compute_compressed(ctx: RunContext, setup: SparseSetup, writer: Any,
                 done["colours"] += len(rows)
                 report(done["colours"])
 
-            op.apply(kind, seeds[start:stop], chunk_size=ctx.chunk_rows, should_stop=ctx.should_stop, on_chunk=keep,
+            op.apply(kind, seeds[start:stop], chunk_rows=ctx.chunk_rows, should_stop=ctx.should_stop, on_chunk=keep,
                      keep=False)
         writer.close()
     except Stopped:
@@ -281,82 +278,6 @@ def _check_wrt(op: Any) -> None:
     if len(op.axis.names) != 1 or op.axis.variables:
         raise InvalidRequest("sparsity: works with respect to one signature input; give wrt one input name, "
                              "not variables or a list", field="sparsity")
-
-
-def _cache(cache_dir: str | None, shared: Any = None) -> Any:
-    from worker.engine.sparsity.patterns import PatternCache
-
-    return PatternCache(cache_dir, shared)
-
-
-def _pattern(model: Any, op: Any, arrays: dict[str, np.ndarray], sparsity: Any, source: str,
-             shape: tuple[int, int], cache: Any, key: str, previous: Callable[[str], Any] | None,
-             wrt: str) -> tuple[Any, Any, str]:
-    """``(pattern, colouring or None, "")``, or ``(None, None, why)`` when detection could not find it;
-    ``key``: the cache key of an ``auto`` pattern."""
-    from worker.engine.sparsity import patterns, walk
-
-    if source == "auto":
-        hit = cache.get(key)
-        if hit is not None and hit[0].shape == shape:
-            return hit[0], hit[2], ""
-        try:
-            pattern, _, _ = walk.detect(model, arrays, of=op.of, wrt=wrt)
-        except walk.PatternUnknown as err:
-            return None, None, f"dense: {err}"
-        except MemoryError:
-            raise
-        except Exception as err:  # noqa: BLE001 - detection failed in a way no rule foresaw: never a guess
-            log.warning("sparsity: pattern detection failed: %s", err, exc_info=True)
-            return None, None, f"dense: pattern detection failed ({type(err).__name__}: {str(err)[:200]})"
-        if pattern.shape != shape:
-            return None, None, f"dense: the detected pattern is {pattern.shape}, not {shape}"
-        return pattern, None, ""
-    if source == "pattern_uri":
-        url = str(sparsity["pattern_uri"])
-        try:
-            raw = storage.read_bytes(url)
-        except OSError as err:
-            from worker.engine.errors import InvalidRequest
-
-            raise InvalidRequest(f"sparsity.pattern_uri: cannot read {url!r}: {err}", field="sparsity.pattern_uri") \
-                from err
-        return patterns.read_npz(raw, shape, field="sparsity.pattern_uri"), None, ""
-    if source == "pattern_from":
-        return _pattern_from(str(sparsity["pattern_from"]), shape, previous), None, ""
-    from worker.engine.errors import InvalidRequest
-
-    raise InvalidRequest(f"sparsity: {sparsity!r} is not a sparsity; use 'auto', {{'pattern_uri': url}} or "
-                         "{'pattern_from': job id}", field="sparsity")
-
-
-def _pattern_from(job_id: str, shape: tuple[int, int], previous: Callable[[str], Any] | None) -> Any:
-    """The entries of an earlier job's result: its ``rows``/``cols``, or the non-zeros of its ``jacobian``."""
-    from worker.engine.errors import InvalidRequest
-    from worker.engine.sparsity.patterns import from_entries
-
-    field_name = "sparsity.pattern_from"
-    url = previous(job_id) if previous is not None else None
-    if url is None:
-        raise InvalidRequest(f"{field_name}: job {job_id!r} has no stored result; give a complete job's id",
-                             field=field_name)
-    group = storage.open_group(url, mode="r")
-    if group.attrs.get("format") == "coo":
-        return from_entries(group["rows"][...], group["cols"][...], shape, field=field_name)
-    array = group["jacobian"]
-    if int(np.prod(array.shape)) != shape[0] * shape[1]:
-        raise InvalidRequest(f"{field_name}: job {job_id!r}'s result has shape {list(array.shape)}, not this "
-                             f"Jacobian's {shape[0]} x {shape[1]}", field=field_name)
-    rows_parts, cols_parts = [], []
-    lead = int(array.shape[0]) if array.ndim and shape[0] > 1 else 1
-    per_lead = shape[0] // lead                        # flat rows of J in one step along the first axis
-    step = max(1, (1 << 24) // max(1, per_lead * shape[1]))
-    for start in range(0, lead, step):
-        block = np.asarray(array[start:start + step] if lead > 1 else array[...]).reshape(-1, shape[1])
-        r, c = np.nonzero(block)
-        rows_parts.append(r + start * per_lead)
-        cols_parts.append(c)
-    return from_entries(np.concatenate(rows_parts), np.concatenate(cols_parts), shape, field=field_name)
 
 
 def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary: dict[str, Any], *,

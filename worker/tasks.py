@@ -16,6 +16,7 @@ import redis
 from contracts.jobspec import JobStatus, QueuedJob
 from contracts.jobstore import JobStore
 from contracts.logs import job_context
+from contracts.records import ErrorInfo, dump
 from contracts.settings import Settings, get_settings
 from worker import metrics
 from worker.runs import Attempt, Finalizer, JobRun, ShardRun
@@ -62,13 +63,13 @@ def _validated_run(spec: dict[str, Any], attempt_class: Any, part: str | None = 
 
 def _invalid_spec(spec: Any, err: Exception, store: JobStore) -> dict[str, Any]:
     job_id = spec.get("id") if isinstance(spec, dict) else None
-    error = {"type": "InvalidJobSpec", "message": f"spec: not a valid queued job: {err}"}
+    error = ErrorInfo(type="InvalidJobSpec", message=f"spec: not a valid queued job: {err}")
     with job_context(str(job_id) if job_id else None):
         if job_id and store.exists(str(job_id)):
             store.transition(str(job_id), JobStatus.failed, error=error)
-        log.error("job %s failed: %s", job_id, error["message"], extra={"event": "job_finished", "status": "failed"})
+        log.error("job %s failed: %s", job_id, error.message, extra={"event": "job_finished", "status": "failed"})
         metrics.observe_job_end("other", JobStatus.failed.value, 0.0)
-    return {"id": job_id, "status": JobStatus.failed.value, "error": error}
+    return {"id": job_id, "status": JobStatus.failed.value, "error": dump(error)}
 
 
 def _run_observed(run: Attempt, part: str | None = None) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def render_preview(array: Any, *, kind: str | None, panels: int, size: int,
     attrs = dict(array.attrs)
     shape = tuple(int(d) for d in array.shape)
     kind = str(attrs.get("kind") or kind or "jacobian")
-    if spec_or_jacobian(kind).preview == "spectrum":
+    if spec_or_jacobian(kind).spectrum is not None:   # previews "spectrum" and "density"
         stderr = attrs.get("stderr_value")
         return render_spectrum(np.asarray(array[...]), attrs, job_id=job_id, stderr=stderr, kind=kind), {}
     if isinstance(attrs.get("wrt"), list):

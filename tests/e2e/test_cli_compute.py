@@ -163,6 +163,36 @@ def test_cli_refusals_speak_the_cli(multi_io_model: Path, tmp_path: Path) -> Non
         proc.stderr[-2000:]
 
 
+def test_compute_logdet_and_the_diagonal_with_their_flags(tmp_path: Path) -> None:
+    """``--kind logdet --probes --steps --damping`` (unit start vectors: exact) and ``hessian_diag`` against the dense
+    Hessian; a flag of another kind is refused in the command line's words, a damping too small fails naming it."""
+    from tests.engine.reference import tape_hessian
+    from worker.engine import load_model
+
+    model = models.float64_model(tmp_path / "f64")
+    x = np.random.default_rng(0).normal(size=(3, 5))
+    np.savez(tmp_path / "in.npz", x=x)
+    H = tape_hessian(load_model(str(model)), {"x": x}, "loss", "x").reshape(15, 15)
+    damping = 1.0 - float(np.linalg.eigvalsh(H).min())
+    base = ("compute", "--model", str(model), "--input", str(tmp_path / "in.npz"), "--out", str(tmp_path / "out"),
+            "--of", "loss", "--wrt", "x")
+    proc = jacobian_cli(*base, "--kind", "logdet", "--probes", "15", "--steps", "15", "--damping", str(damping))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    group = zarr.open_group(proc.stdout.strip(), mode="r")
+    want = np.linalg.slogdet(H + damping * np.eye(15))[1]
+    assert float(group["logdet"][...]) == pytest.approx(want, rel=1e-9) and float(group["stderr"][...]) == 0
+    proc = jacobian_cli(*base, "--kind", "hessian_diag")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    group = zarr.open_group(proc.stdout.strip(), mode="r")
+    np.testing.assert_allclose(group["diagonal"][...].ravel(), np.diag(H), rtol=1e-9, atol=1e-12)
+    assert group.attrs["method"] == "exact"
+    proc = jacobian_cli(*base, "--kind", "hessian_diag", "--damping", "1")
+    assert proc.returncode == 2 and "--damping: only for kind 'ihvp' or 'logdet'" in proc.stderr, proc.stderr[-2000:]
+    proc = jacobian_cli(*base, "--kind", "logdet", "--probes", "15", "--steps", "15", "--damping", "0")
+    assert proc.returncode == 2 and "--damping: H + damping·I is not positive definite" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
 def test_compute_on_a_keras_file_of_a_subclassed_model(tmp_path: Path) -> None:
     """``--model m.keras``: a subclassed model with a registered custom layer, its classes named through
     JACOBIAN_KERAS_CUSTOM_OBJECTS; the Jacobian equals GradientTape on the Keras model itself. Without the setting
@@ -190,3 +220,23 @@ def test_compute_on_a_keras_file_of_a_subclassed_model(tmp_path: Path) -> None:
     got = zarr.open_array(proc.stdout.strip() + "/jacobian", mode="r")[:]
     assert got.shape == expected.shape == (3, 4, 3, 3)
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_an_unconverged_svd_exits_2_unless_allowed_and_then_says_so(tmp_path: Path) -> None:
+    """``--max-iterations 1`` cannot meet ``--tol 1e-12``: exit 2 with the residuals and the fixes in the command
+    line's spelling; ``--allow-unconverged`` exits 0 and the ``done:`` line says NOT CONVERGED."""
+    model = models.float64_model(tmp_path / "f64")
+    np.savez(tmp_path / "in.npz", x=np.random.default_rng(0).normal(size=(3, 5)))
+    base = ("compute", "--model", str(model), "--input", str(tmp_path / "in.npz"), "--out", str(tmp_path / "out"),
+            "--of", "y", "--wrt", "x", "--kind", "svd", "--rank", "3", "--tol", "1e-12", "--max-iterations", "1")
+    proc = jacobian_cli(*base)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: svd: not converged within 1 iterations" in proc.stderr and "relative residuals [" in proc.stderr
+    for fix in ("--max-iterations (now 1)", "--tol (now 1e-12", "--rank (now 3)", "--allow-unconverged"):
+        assert fix in proc.stderr, proc.stderr[-2000:]
+    assert "allow_unconverged" not in proc.stderr and "Traceback" not in proc.stderr
+    proc = jacobian_cli(*base, "--allow-unconverged")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "NOT CONVERGED, kept by --allow-unconverged: not converged" in proc.stderr
+    manifest = json.loads((Path(proc.stdout.strip()).parent / "manifest.json").read_text())
+    assert manifest["converged"] is False

@@ -301,7 +301,7 @@ def test_products_chunk_over_seeds_without_retracing(built):
     seeds = np.random.default_rng(5).standard_normal((7, op.n_wrt))
     seen = []
     whole = op.jvp(seeds)
-    chunked = op.jvp(seeds, chunk_size=3, on_chunk=lambda start, rows: seen.append((start, len(rows))))
+    chunked = op.jvp(seeds, chunk_rows=3, on_chunk=lambda start, rows: seen.append((start, len(rows))))
     assert seen == [(0, 3), (3, 3), (6, 1)]
     np.testing.assert_array_equal(whole, chunked)
     for k in (1, 2, 5):
@@ -328,7 +328,7 @@ def test_out_of_memory_halves_the_chunk(built, monkeypatch):
     monkeypatch.setattr(op, "_run", small_only)
     seeds = np.random.default_rng(1).standard_normal((6,) + op.of_shape)
     before = op.oom_retries
-    np.testing.assert_allclose(op.vjp(seeds, chunk_size=8), seeds.reshape(6, -1) @ built(CASES[0]).jac,
+    np.testing.assert_allclose(op.vjp(seeds, chunk_rows=8), seeds.reshape(6, -1) @ built(CASES[0]).jac,
                                atol=1e-4)
     assert op.oom_retries - before == 2   # 6 -> 3 -> 1
     monkeypatch.setattr(op, "_run", lambda *a: (_ for _ in ()).throw(tf.errors.ResourceExhaustedError(None, None,
@@ -412,12 +412,12 @@ def test_run_products_result(built):
 
     op = built(CASES[1]).op   # wrt variables/w0: (6, 8)
     calls, chunks = [], []
-    result = run_products(op, "vjp", np.ones((3,) + op.of_shape), chunk_size=2,
+    result = run_products(op, "vjp", np.ones((3,) + op.of_shape), chunk_rows=2,
                           progress=lambda i, total: calls.append((i, total)),
                           on_chunk=lambda start, rows: chunks.append((start, rows)))
     assert result.arrays == {} and calls == [(2, 3), (3, 3)]   # streamed to on_chunk: none held here
     assert [(s, r.shape, r.dtype) for s, r in chunks] == [(0, (2, 6, 8), np.float64), (2, (1, 6, 8), np.float64)]
-    kept = run_products(op, "vjp", np.ones((3,) + op.of_shape), chunk_size=2)
+    kept = run_products(op, "vjp", np.ones((3,) + op.of_shape), chunk_rows=2)
     assert kept.arrays["products"].shape == (3, 6, 8)
     np.testing.assert_array_equal(np.concatenate([r for _, r in chunks]), kept.arrays["products"])
     assert result.products["vjp"] == 3 and result.method == "reverse/vectorized"
@@ -439,7 +439,7 @@ def test_should_stop_cancels_between_iterations(built, kind):
     def should_stop() -> bool:
         return len(calls) >= stop_after
 
-    options = {"samples": 30, "chunk_size": 5} if kind == "hessian_trace" else {"rank": 2, "tol": 1e-12}
+    options = {"samples": 30, "chunk_rows": 5} if kind == "hessian_trace" else {"rank": 2, "tol": 1e-12}
     before = dict(op.counts)
     with pytest.raises(Stopped):
         spectral(op, kind, progress=lambda i, total: calls.append((i, total)), should_stop=should_stop, **options)

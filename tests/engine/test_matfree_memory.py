@@ -56,7 +56,7 @@ def test_seeds_per_call_come_from_the_first_calls_peak(f64, budget, per_call):
     np.testing.assert_allclose(out, seeds @ J, rtol=1e-10, atol=1e-12)
 
 
-def test_a_given_chunk_size_or_no_probe_plans_nothing(f64):
+def test_a_given_chunk_rows_or_no_probe_plans_nothing(f64):
     model, inputs = f64
     seeds = np.random.default_rng(2).normal(size=(30, 12))
     op = build_operator(model, inputs, of="y", wrt="x", kind="vjp")
@@ -65,5 +65,5 @@ def test_a_given_chunk_size_or_no_probe_plans_nothing(f64):
     assert calls == [30]  # no probe: all at once
     op.plan_memory(Probe(free=50_000, per_seed=1000))
     calls.clear()
-    op.vjp(seeds, chunk_size=7, on_chunk=lambda start, rows: calls.append(len(rows)))
+    op.vjp(seeds, chunk_rows=7, on_chunk=lambda start, rows: calls.append(len(rows)))
     assert calls == [7, 7, 7, 7, 2]

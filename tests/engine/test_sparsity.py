@@ -98,13 +98,46 @@ def test_moves_reductions_matmul_and_broadcasting(sparse_loaded, of):
     np.testing.assert_array_equal(pattern, dense_jacobian(model, inputs, of, "x") != 0)
 
 
-def test_an_op_without_a_rule_is_conservative_and_still_right(sparse_loaded):
+def test_an_op_without_a_rule_is_conservative_still_right_and_named(sparse_loaded):
+    from worker.engine.sparsity.walk import detect as run
+
     model = sparse_loaded("no_rule")
     inputs = {"x": rand((3, 4), seed=5)}
-    pattern, _, _ = detect(model, inputs, "y", "x")
+    no_rule: dict[str, str] = {}
+    pattern = run(model, inputs, of="y", wrt="x", no_rule=no_rule)[0].toarray()
     nonzero = dense_jacobian(model, inputs, "y", "x") != 0
     assert not (nonzero & ~pattern).any()
-    assert pattern.all()                                  # cumsum: every output reads every input of the op
+    assert pattern.all()                                  # sort: every output reads every input of the op
+    assert list(no_rule) == ["TopKV2"] and no_rule["TopKV2"].endswith("TopKV2")
+
+
+@pytest.mark.parametrize("of", sorted(sparse_models.INDEX_OPS))
+def test_index_op_rules_give_the_dense_jacobians_nonzeros(sparse_loaded, of):
+    """Reshapes, segment reductions, scatters, gathers, cumulative ops, pads, tiles, strided slices, einsum
+    (issue 30): the pattern is exactly the non-zeros, found by the op's rule (none of them is conservative)."""
+    from worker.engine.sparsity.walk import detect as run
+
+    model = sparse_loaded("index_ops")
+    inputs = {"x": rand((6, 4), seed=11) + 2.0}           # away from 0: products and their gradients never vanish
+    no_rule: dict[str, str] = {}
+    pattern = run(model, inputs, of=of, wrt="x", no_rule=no_rule)[0].toarray()
+    nonzero = dense_jacobian(model, inputs, of, "x") != 0
+    assert pattern.shape == nonzero.shape
+    np.testing.assert_array_equal(pattern, nonzero)
+    assert no_rule == {}                                  # every op of the model had a rule
+    assert not pattern.all() and pattern.any()            # not the conservative (all-dense) pattern
+
+
+def test_keras_conv1d_pattern_is_exact_and_sparse(sparse_loaded):
+    """Keras Conv1D (causal dilated, same, strided): ExpandDims, Conv2D, Squeeze, Pad, SpaceToBatchND all ruled."""
+    from worker.engine.sparsity.walk import detect as run
+
+    model = sparse_loaded("conv1d", length=64)
+    inputs = {"x": rand((2, 64, 2), seed=12)}
+    no_rule: dict[str, str] = {}
+    pattern = run(model, inputs, of="y", wrt="x", no_rule=no_rule)[0].toarray()
+    np.testing.assert_array_equal(pattern, dense_jacobian(model, inputs, "y", "x") != 0)
+    assert no_rule == {} and pattern.mean() < 0.1
 
 
 def test_colourings_are_valid_and_tight_on_a_stencil(sparse_loaded):
@@ -144,7 +177,7 @@ def test_compressed_products_recover_the_jacobian(sparse_loaded, mode):
     pattern = compressed.sorted_pattern(pattern)
     op = build_operator(model, inputs, of="out", wrt="image")
     c = colour(pattern, mode)
-    products = compressed.compute(op, c, chunk_size=7)
+    products = compressed.compute(op, c, chunk_rows=7)
     rows, cols, values = compressed.entries(pattern, c, products, 0, pattern.shape[0])
     assert np.all(np.diff(rows) >= 0)
     got = sp.coo_array((values, (rows, cols)), shape=pattern.shape).toarray()

@@ -14,6 +14,7 @@ from rq.serializers import JSONSerializer
 
 from contracts.jobspec import FINALIZE_JOB_TASK, RUN_JOB_TASK, JobStatus, ModelRef, QueuedJob, finalizer_job_id
 from contracts.jobstore import JobRecord, JobStore
+from contracts.records import dump
 from contracts.settings import get_settings
 
 pytestmark = pytest.mark.integration
@@ -71,8 +72,8 @@ def test_finalizer_whose_worker_died_with_no_retries_fails_the_job_with_its_ttl(
 
     record = store.get(job_id)
     assert record.status == JobStatus.failed, record
-    assert record.error["type"] == "WorkerDied" and "finalizer" in record.error["message"]
-    assert "resubmit" in record.error["message"] and record.finished_at is not None
+    assert record.error.type == "WorkerDied" and "finalizer" in record.error.message
+    assert "resubmit" in record.error.message and record.finished_at is not None
     assert 0 < redis_conn.ttl(store.key(job_id)) <= TTL_S
     assert 0 < redis_conn.ttl(store.shards_key(job_id)) <= TTL_S
 
@@ -82,7 +83,7 @@ def test_job_whose_worker_died_with_no_retries_fails_with_its_ttl(settings, redi
     start_and_abandon(redis_conn, settings, RUN_JOB_TASK, spec, job_id)
 
     record = JobStore(redis_conn).get(job_id)
-    assert record.status == JobStatus.failed and record.error["type"] == "WorkerDied", record
+    assert record.status == JobStatus.failed and record.error.type == "WorkerDied", record
     assert 0 < redis_conn.ttl(JobStore(redis_conn).key(job_id)) <= TTL_S
 
 
@@ -95,7 +96,7 @@ def test_job_whose_worker_died_with_a_retry_left_is_queued_again(settings, redis
     store = JobStore(redis_conn)
     record = store.get(job_id)
     assert record.status == JobStatus.queued, record
-    assert record.error == {"type": "WorkerDied", "message": record.error["message"], "transient": True}
+    assert dump(record.error) == {"type": "WorkerDied", "message": record.error.message, "transient": True}
     assert redis_conn.ttl(store.key(job_id)) == -1
     assert store.transition(job_id, JobStatus.running)
 
@@ -131,7 +132,7 @@ def test_job_whose_worker_died_twice_fails_as_worker_died_with_retries_left(sett
     start_and_abandon(redis_conn, settings, RUN_JOB_TASK, spec, job_id, retry=Retry(max=3))
     first = store.get(job_id)
     assert first.status == JobStatus.queued and len(first.deaths) == 1, first
-    assert "signal unknown" in first.deaths[0] and first.deaths[0] in first.error["message"]
+    assert "signal unknown" in first.deaths[0] and first.deaths[0] in first.error.message
     queue = Queue(settings.queue_name, connection=redis_conn, serializer=JSONSerializer)
     assert job_id in queue.get_job_ids()  # rq requeued it
     queue.remove(job_id)  # the next attempt picks it up (start_and_abandon enqueues it again)
@@ -139,10 +140,10 @@ def test_job_whose_worker_died_twice_fails_as_worker_died_with_retries_left(sett
     start_and_abandon(redis_conn, settings, RUN_JOB_TASK, spec, job_id, retry=Retry(max=3))
 
     record = store.get(job_id)
-    assert record.status == JobStatus.failed and record.error["type"] == "WorkerDied", record
-    assert len(record.deaths) == 2 and "died 2 times" in record.error["message"]
-    assert all(d in record.error["message"] for d in record.deaths)
-    assert "memory_budget_bytes" in record.error["message"]
+    assert record.status == JobStatus.failed and record.error.type == "WorkerDied", record
+    assert len(record.deaths) == 2 and "died 2 times" in record.error.message
+    assert all(d in record.error.message for d in record.deaths)
+    assert "memory_budget_bytes" in record.error.message
     rq_job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
     assert rq_job.get_status() == RqStatus.FAILED and rq_job.retries_left == 0
     assert job_id not in queue.get_job_ids()

@@ -24,6 +24,7 @@ from contracts import storage
 from contracts.jobspec import JobStatus, QueuedJob
 from contracts.jobstore import JobStore
 from contracts.layout import ResultLayout
+from contracts.records import ErrorInfo, PlanInfo, Progress, ResultInfo
 from contracts.settings import get_settings
 
 pytestmark = pytest.mark.integration
@@ -254,7 +255,7 @@ def rows_of(full: np.ndarray, iter_start: int, iter_stop: int) -> np.ndarray:
 def succeed(redis_conn, job_id: str, uri: str, full: np.ndarray) -> None:
     JobStore(redis_conn).transition(job_id, JobStatus.running)
     JobStore(redis_conn).transition(job_id, JobStatus.succeeded, finished_at=time.time(),
-                                    result={"uri": uri, "shape": list(full.shape), "dtype": full.dtype.name})
+                                    result=ResultInfo(uri=uri, shape=list(full.shape), dtype=full.dtype.name))
 
 
 @pytest.mark.parametrize("iter_start,iter_stop,block_bytes", [(0, 2, 80), (1, 3, 100), (2, 4, 1 << 20), (0, 0, 64)])
@@ -308,7 +309,7 @@ def test_a_row_larger_than_the_response_limit_is_streamed(env, redis_conn, resul
 
 def test_result_of_failed_job_is_409_with_reason(client, redis_conn):
     job_id = client.post("/v1/jobs", json=mlp_body()).json()["id"]
-    JobStore(redis_conn).transition(job_id, JobStatus.failed, error={"type": "X", "message": "boom"})
+    JobStore(redis_conn).transition(job_id, JobStatus.failed, error=ErrorInfo(type="X", message="boom"))
     r = client.get(f"/v1/jobs/{job_id}/result")
     assert r.status_code == 409 and "failed" in r.json()["error"]["message"] and "boom" in r.json()["error"]["message"]
 
@@ -448,8 +449,8 @@ def test_job_answers_keep_their_keys_and_values(client, redis_conn):
             "plan_key": None, "trial": None, "rows_per_second": {"4": 99.5}, "shards": 1}
     progress = {"rows_done": 4, "rows_total": 16, "fraction": 0.25, "rows_per_second": 99.5, "eta_seconds": 0.121}
     error = {"type": "ResultWriteError", "message": "storage: down", "transient": True}
-    store.transition(job_id, JobStatus.running, started_at=1_800_000_000.5, plan=plan, progress=progress,
-                     error=error)
+    store.transition(job_id, JobStatus.running, started_at=1_800_000_000.5, plan=PlanInfo.model_validate(plan),
+                     progress=Progress.model_validate(progress), error=ErrorInfo.model_validate(error))
     body = client.get(f"/v1/jobs/{job_id}").json()
     assert body == {"id": job_id, "status": "running", "progress": progress, "plan": plan, "result": None,
                     "error": error, "created_at": queued["created_at"], "started_at": "2027-01-15T08:00:00.500Z",

@@ -18,6 +18,7 @@ from rq.serializers import JSONSerializer
 from contracts import storage
 from contracts.jobspec import JobStatus, ModelRef, QueuedJob, shard_job_id
 from contracts.jobstore import JobRecord, JobStore
+from contracts.records import dump
 from contracts.settings import get_settings
 from tests import models
 from tests.conftest import work_burst
@@ -70,9 +71,9 @@ def test_a_shard_over_the_job_timeout_fails_the_job_as_job_timeout(worker_env, r
 
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed, rec
-    assert rec.error["type"] == "JobTimeout", rec.error
-    assert rec.error["message"].startswith("shard 1 of 2"), rec.error
-    assert "4 s" in rec.error["message"] and "JACOBIAN_JOB_TIMEOUT_S" in rec.error["message"]
+    assert rec.error.type == "JobTimeout", rec.error
+    assert rec.error.message.startswith("shard 1 of 2"), rec.error
+    assert "4 s" in rec.error.message and "JACOBIAN_JOB_TIMEOUT_S" in rec.error.message
     shard = Job.fetch(shard_job_id(job_id, 0), connection=redis_conn, serializer=JSONSerializer)
     assert shard.get_status() == RqStatus.FAILED
     assert not (Path(results) / job_id / "manifest.json").exists()
@@ -90,7 +91,7 @@ def test_shards_keep_their_own_plans_beside_the_jobs(worker_env, redis_conn, mod
 
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded, rec.error
-    plan = rec.plan
+    plan = dump(rec.plan)  # as the manifest has it
     assert (plan["shards"], plan["strategy"], plan["mode"]) == (3, "tiled", "reverse")
     assert "chunk_rows" not in plan  # the planner's plan, not one shard's
     assert len(plan["shard_plans"]) == 3

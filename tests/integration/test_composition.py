@@ -11,7 +11,7 @@ import pytest
 from contracts.kinds import KINDS
 from tests import models
 from tests.conftest import finished_job
-from tests.engine.reference import tape_jacobian
+from tests.engine.reference import curvature_references, tape_jacobian
 from worker.engine import load_model
 
 pytestmark = pytest.mark.integration
@@ -201,7 +201,17 @@ EVERY_KIND = {
     "svd": {"of": "y", "wrt": "x", "rank": 2, "tol": 1e-8},
     "hessian_eig": {"of": "loss", "wrt": "x", "rank": 2, "tol": 1e-8},
     "hessian_trace": {"of": "loss", "wrt": "x", "samples": 15},
+    "ggn_vp": {"of": "y", "wrt": "x", "loss": "mse", "seeds": SEEDS_WRT},
+    "fisher_vp": {"of": "y", "wrt": "x", "loss": "mse", "labels": "t", "seeds": SEEDS_WRT},
+    "ggn_eig": {"of": "y", "wrt": "x", "loss": "sigmoid_cross_entropy", "rank": 2, "tol": 1e-8},
+    "ggn_trace": {"of": "y", "wrt": "x", "loss": "softmax_cross_entropy", "samples": 15},
+    "ihvp": {"of": "y", "wrt": "x", "curvature": "ggn", "loss": "mse", "damping": 0.1, "tol": 1e-10,
+             "seeds": SEEDS_WRT},
+    "hessian_diag": {"of": "loss", "wrt": "x", "probes": 15},
+    "spectral_density": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15},
+    "logdet": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15, "damping": 200.0},
 }
+T = np.random.default_rng(6).normal(size=(3, 4))   # fisher_vp's labels: the input "t", which the signature lacks
 
 
 def test_the_matrix_covers_every_kind():
@@ -217,16 +227,32 @@ def test_every_kind_succeeds_with_progress_plan_and_preview(client, redis_conn, 
     seeds = options.pop("seeds", None)
     if seeds is not None:
         options["seeds"] = {"shape": list(seeds.shape), "dtype": "float64", "data": seeds.ravel().tolist()}
-    r = client.post("/v1/jobs", json=f64_body(kind=kind, **options))
+    body = f64_body(kind=kind, **options)
+    if "labels" in options:
+        body["inputs"]["t"] = {"shape": [3, 4], "dtype": "float64", "data": T.ravel().tolist()}
+    r = client.post("/v1/jobs", json=body)
     assert r.status_code == 202, r.text
     record, ds = _result(client, redis_conn, r.json()["id"])
     assert record["plan"], record
     J = tape_jacobian(model, {"x": X}, "y", "x").reshape(12, 15)
     H = tape_hessian(model, {"x": X}, "loss", "x").reshape(15, 15)
+    y = np.asarray(model.fn(x=_tensors({"x": X})["x"])["y"])
+    loss = options.get("loss", "mse")
+    labels = np.exp(T) / np.exp(T).sum(axis=1, keepdims=True) if loss == "softmax_cross_entropy" else T
+    G, F, _ = curvature_references(J, y, loss, labels)   # G of these losses does not depend on the labels
     main = KINDS[kind].main_array
     got = np.asarray(ds[main].values)
     want = {"jacobian": J, "batch_jacobian": tape_jacobian(model, {"x": X}, "y", "x", batch=True), "hessian": H,
             "jvp": SEEDS_WRT.reshape(2, 15) @ J.T, "vjp": SEEDS_OF.reshape(2, 12) @ J,
             "hvp": SEEDS_WRT.reshape(2, 15) @ H, "svd": np.linalg.svd(J, compute_uv=False)[:2],
-            "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2], "hessian_trace": np.trace(H)}[kind]
+            "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2], "hessian_trace": np.trace(H),
+            "ggn_vp": SEEDS_WRT.reshape(2, 15) @ G, "fisher_vp": SEEDS_WRT.reshape(2, 15) @ F,
+            "ggn_eig": sorted(np.linalg.eigvalsh(G), key=abs, reverse=True)[:2], "ggn_trace": np.trace(G),
+            "ihvp": np.linalg.solve(G + 0.1 * np.eye(15), SEEDS_WRT.reshape(2, 15).T).T,
+            "hessian_diag": np.diag(H), "logdet": np.linalg.slogdet(H + 200.0 * np.eye(15))[1],
+            "spectral_density": None}[kind]
+    if want is None:   # the density: the eigenvalues smoothed on the result's grid (unit start vectors: exact)
+        grid, sigma = ds["grid"].values, ds.attrs["sigma"]
+        z = (grid[:, None] - np.linalg.eigvalsh(H)[None]) / sigma
+        want = np.exp(-0.5 * z * z).sum(axis=1) / (15 * sigma * np.sqrt(2 * np.pi))
     np.testing.assert_allclose(got.reshape(np.shape(want)), want, rtol=1e-7, atol=1e-10)

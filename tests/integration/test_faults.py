@@ -274,7 +274,7 @@ def pool(tmp_path_factory, model_root, proxy):
 
 
 def result_bytes(rec: JobRecord, **storage_options) -> bytes:
-    uri = rec.result["uri"] + "/jacobian"
+    uri = rec.result.uri + "/jacobian"
     return zarr.open_array(uri, mode="r", storage_options=storage_options or None)[:].tobytes()
 
 
@@ -317,7 +317,7 @@ def test_worker_killed_mid_job_resumes_on_other_worker_bitwise_equal(pool):
         victim.wait(timeout=30)
         at_kill = {n: os.stat(Path(pool.results) / job_id / "committed" / n).st_mtime_ns
                    for n in committed(pool.results, job_id)}
-        handed_to_writer = store.get(job_id).progress["rows_done"]  # rows computed by the dead worker (reported)
+        handed_to_writer = store.get(job_id).progress.rows_done  # rows computed by the dead worker (reported)
         pool.conn.delete(DELAY_KEY)
 
         def held_by_victim() -> bool:  # 'started' by the dead worker: not found yet
@@ -330,7 +330,7 @@ def test_worker_killed_mid_job_resumes_on_other_worker_bitwise_equal(pool):
     finally:
         pool.conn.delete(DELAY_KEY)
     assert rec.status == JobStatus.succeeded, (rec.error, pool.log_tail())
-    assert rec.progress["rows_done"] == rec.progress["rows_total"] == 512 and rec.progress["fraction"] == 1.0
+    assert rec.progress.rows_done == rec.progress.rows_total == 512 and rec.progress.fraction == 1.0
     job = Job.fetch(job_id, connection=pool.conn, serializer=JSONSerializer)
     assert job.retries_left == 1 and job.worker_name != victim_name  # retried once, on the survivor
     after = {n: os.stat(Path(pool.results) / job_id / "committed" / n).st_mtime_ns
@@ -365,8 +365,8 @@ def test_worker_killed_with_no_retries_left_fails_the_job_clearly(pool):
         rec = pool.wait_terminal(job_id, timeout_s=60)
     finally:
         pool.conn.delete(DELAY_KEY)
-    assert rec.status == JobStatus.failed and rec.error["type"] == "WorkerDied", rec.error
-    assert "resubmit" in rec.error["message"]
+    assert rec.status == JobStatus.failed and rec.error.type == "WorkerDied", rec.error
+    assert "resubmit" in rec.error.message
     assert pool.rq_status(job_id) == RqStatus.FAILED
     assert not (Path(pool.results) / job_id / "manifest.json").exists()
     pool.start_registered_worker()  # two live workers again, for the tests below
@@ -441,7 +441,7 @@ def test_redis_down_longer_than_the_client_retries_the_job_still_finishes(pool):
     assert rec.error is None
     # the outage outlasted the client's retries: the attempt was interrupted and retried
     assert Job.fetch(job_id, connection=pool.conn, serializer=JSONSerializer).retries_left == 1
-    assert rec.progress["rows_done"] == rec.progress["rows_total"] == 512 and rec.progress["fraction"] == 1.0
+    assert rec.progress.rows_done == rec.progress.rows_total == 512 and rec.progress.fraction == 1.0
     assert len(committed(pool.results, job_id)) == 128 and (Path(pool.results) / job_id / "manifest.json").exists()
     assert all(p.poll() is None for p in pool.procs if p.returncode != -signal.SIGKILL), pool.log_tail()
     ref = pool.wait_terminal(pool.submit(), timeout_s=240)  # the workers serve again
@@ -507,8 +507,8 @@ def test_s3_unreachable_for_good_fails_clearly_without_manifest(pool, proxy, buc
         proxy.restore()
     print(f"\n[faults] S3 gone for good: job failed {failed_after:.1f} s after the cut: {rec.error}")
     assert rec.status == JobStatus.failed
-    assert rec.error["type"] == "ResultWriteError"
-    assert "storage" in rec.error["message"] and "attempts" in rec.error["message"]
+    assert rec.error.type == "ResultWriteError"
+    assert "storage" in rec.error.message and "attempts" in rec.error.message
     assert rec.result is None
     assert not storage.exists(storage.join(results, job_id, "manifest.json"))
     assert len(committed(results, job_id)) < 128
@@ -544,8 +544,8 @@ def test_job_over_its_timeout_fails_clearly_and_records_expire_after_the_ttl(loc
     ok, timed_out = store.get(done), store.get(late)
     assert ok.status == JobStatus.succeeded, ok.error
     assert timed_out.status == JobStatus.failed
-    assert timed_out.error["type"] == "JobTimeout", timed_out.error
-    assert "2 s" in timed_out.error["message"] and "JACOBIAN_JOB_TIMEOUT_S" in timed_out.error["message"]
+    assert timed_out.error.type == "JobTimeout", timed_out.error
+    assert "2 s" in timed_out.error.message and "JACOBIAN_JOB_TIMEOUT_S" in timed_out.error.message
     assert not (Path(local_env) / late / "manifest.json").exists()
     rq_late = Job.fetch(late, connection=redis_conn, serializer=JSONSerializer)
     assert rq_late.get_status() == RqStatus.FAILED
@@ -578,7 +578,7 @@ def test_sparse_job_killed_mid_way_resumes_its_colour_blocks_on_the_other_worker
         pool.conn.delete(DELAY_KEY)
     pool.start_registered_worker()   # two workers again for the tests after this one
     assert rec.status == JobStatus.succeeded, (rec.error, pool.log_tail())
-    assert rec.plan["sparsity"]["verified"] is True and rec.progress["fraction"] == 1.0
+    assert rec.plan.sparsity["verified"] is True and rec.progress.fraction == 1.0
     lines = [m for path in pool.logs for m in re.findall(
         rf"job {job_id}: sparse: (\d+) of (\d+) colour blocks reused", path.read_text(errors="replace"))]
     assert len(lines) == 2, lines           # the first attempt (0 reused) and the resumed one
@@ -589,7 +589,7 @@ def test_sparse_job_killed_mid_way_resumes_its_colour_blocks_on_the_other_worker
           f"{blocks - reused} computed by the second worker")
     ref = pool.wait_terminal(submit_sparse(pool.conn, pool.results, pool.model_root), timeout_s=180)
     assert ref.status == JobStatus.succeeded, ref.error
-    got, want = (zarr.open_group(r.result["uri"], mode="r") for r in (rec, ref))
+    got, want = (zarr.open_group(r.result.uri, mode="r") for r in (rec, ref))
     for name in ("rows", "cols"):
         np.testing.assert_array_equal(got[name][:], want[name][:])
     np.testing.assert_allclose(got["values"][:], want["values"][:], rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ import redis
 
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, JobStore
-from contracts.records import ErrorInfo, PlanInfo, Progress, ResultInfo
+from contracts.records import ErrorInfo, PlanInfo, Progress, ResultInfo, dump
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ def test_every_move_of_the_table(redis_conn, source, target):
         assert snapshot(redis_conn, store, job_id) == before  # nothing written, no TTL
         return
     record = stored(store, job_id)
-    assert record.status == target and record.progress == progress.model_dump()
+    assert record.status == target and record.progress == progress
     ttls = (redis_conn.ttl(store.key(job_id)), redis_conn.ttl(store.shards_key(job_id)))
     if target.is_terminal:
         assert all(0 < t <= TTL_S for t in ttls), ttls
@@ -91,8 +91,8 @@ def test_a_writer_that_dies_after_one_command_leaves_a_terminal_record_with_its_
     monkeypatch.undo()
 
     record = store.get(job_id)
-    stored = result.model_dump(exclude_none=True)
-    assert (record.status, record.result, record.error, record.finished_at) == (S, stored, None, 123.5)
+    assert (record.status, record.result, record.error, record.finished_at) == (S, result, None, 123.5)
+    assert dump(record.result) == {"uri": "/r/x.zarr", "shape": [2, 3], "dtype": "float32"}
     assert 0 < redis_conn.ttl(store.key(job_id)) <= TTL_S and 0 < redis_conn.ttl(store.shards_key(job_id)) <= TTL_S
 
 
@@ -127,10 +127,25 @@ def test_records_are_stored_with_the_keys_they_were_given(redis_conn):
     store = JobStore(redis_conn, ttl_s=TTL_S)
     job_id = new_job(store, R)
     assert store.transition(job_id, Q, error=ErrorInfo(type="ResultWriteError", message="s3: down", transient=True))
-    assert store.get(job_id).error == {"type": "ResultWriteError", "message": "s3: down", "transient": True}
+    assert dump(store.get(job_id).error) == {"type": "ResultWriteError", "message": "s3: down", "transient": True}
     assert store.transition(job_id, R)
     assert store.transition(job_id, F, error=ErrorInfo(type="OOM", message="no memory"))
-    assert store.get(job_id).error == {"type": "OOM", "message": "no memory"}  # no "transient": null
+    assert dump(store.get(job_id).error) == {"type": "OOM", "message": "no memory"}  # no "transient": null
+
+
+@pytest.mark.parametrize("fields", [{"plan": {"chunk_rows": 8}}, {"progress": {"rows_done": 1}},
+                                    {"error": {"type": "X", "message": "y"}}])
+def test_records_are_written_as_their_models_only(redis_conn, fields):
+    store = JobStore(redis_conn, ttl_s=TTL_S)
+    job_id = new_job(store, R)
+    before = snapshot(redis_conn, store, job_id)
+    (name,) = fields
+    with pytest.raises(TypeError, match=f"{name}: give a contracts.records"):
+        if name == "error":
+            store.transition(job_id, F, **fields)
+        else:
+            store.set_fields(job_id, **fields)
+    assert snapshot(redis_conn, store, job_id) == before
 
 
 def test_set_fields_writes_only_the_fields_given_and_never_a_missing_record(redis_conn):
@@ -140,11 +155,19 @@ def test_set_fields_writes_only_the_fields_given_and_never_a_missing_record(redi
     assert store.set_fields(job_id, plan=plan)
     assert store.set_fields(job_id, progress=Progress.of(2, 8, 4.0), cancel_requested=True)
     record = stored(store, job_id)
-    assert record.plan == {"chunk_rows": 8, "strategy": "vectorized", "shards": 1, "xla": False}
-    assert record.progress == {"rows_done": 2, "rows_total": 8, "fraction": 0.25, "rows_per_second": 4.0,
-                               "eta_seconds": 1.5}
+    assert dump(record.plan) == {"chunk_rows": 8, "strategy": "vectorized", "shards": 1, "xla": False}
+    assert (record.plan.chunk_rows, record.plan.model_extra) == (8, {"xla": False})
+    assert dump(record.progress) == {"rows_done": 2, "rows_total": 8, "fraction": 0.25, "rows_per_second": 4.0,
+                                     "eta_seconds": 1.5}
     assert record.cancel_requested and record.status == R
     assert redis_conn.ttl(store.key(job_id)) == -1
+
+    sent = []  # a progress tick is one HSET of the progress field: the rest of the record is not rewritten
+    set_fields = store._set_fields
+    store._set_fields = lambda **call: sent.append(call["args"]) or set_fields(**call)
+    assert store.set_fields(job_id, progress=Progress.of(3, 8, 4.0))
+    assert sent == [["progress", json.dumps(dump(Progress.of(3, 8, 4.0)))]]
+    assert stored(store, job_id).plan == plan
 
     gone = uuid.uuid4().hex  # e.g. a late progress report after the record expired
     assert not store.set_fields(gone, progress=Progress.of(1, 8, 1.0))
@@ -154,7 +177,7 @@ def test_set_fields_writes_only_the_fields_given_and_never_a_missing_record(redi
 def test_delete_removes_record_index_entry_and_shards(redis_conn):
     store = JobStore(redis_conn, ttl_s=TTL_S)
     job_id, other = new_job(store), new_job(store)
-    store.update_shard_progress(job_id, 0, {"rows_done": 1, "rows_total": 4}, computed_rows=1)
+    store.update_shard_progress(job_id, 0, Progress.of(1, 4, 1.0), computed_rows=1)
     assert store.delete(job_id)
     assert not redis_conn.exists(store.key(job_id)) and not redis_conn.exists(store.shards_key(job_id))
     assert redis_conn.zscore(store.index_key, job_id) is None

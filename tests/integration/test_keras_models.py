@@ -9,6 +9,7 @@ import pytest
 
 from tests import keras_models
 from tests.conftest import finished_job
+from tests.engine.reference import curvature_references
 
 pytestmark = pytest.mark.integration
 X = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
@@ -63,6 +64,11 @@ def tape(model, inputs: dict, of: str, wrt: str, how: str) -> np.ndarray:
     return (t.batch_jacobian if how == "batch_jacobian" else t.jacobian)(y, tensors[wrt]).numpy()
 
 
+def tape_value(model, x: np.ndarray, of: str) -> np.ndarray:
+    out = model(x)
+    return np.asarray((out if isinstance(out, dict) else dict(zip(model.output_names, [out])))[of])
+
+
 def test_signature_lists_inputs_and_outputs(client):
     r = client.get("/v1/models/signature", params={"path": "multi.keras"})
     assert r.status_code == 200, r.text
@@ -102,12 +108,22 @@ CASES = {   # kind: (model, inputs, options)
 
 
 SEEDS_OF = np.random.default_rng(3).normal(size=(2, 4, 2)).astype(np.float32)
+LABELS = np.random.default_rng(4).normal(size=(4, 2)).astype(np.float32)   # fisher_vp's labels, y's shape
 MORE = {   # the other kinds of the registry on functional.keras
     "vjp": {"of": "y", "wrt": "x", "seeds": tensor(SEEDS_OF)},
     "hvp": {"of": "loss", "wrt": "x", "seeds": tensor(SEEDS)},
     "svd": {"of": "y", "wrt": "x", "rank": 2, "tol": 1e-6},
     "hessian_eig": {"of": "loss", "wrt": "x", "rank": 2, "tol": 1e-6},
     "hessian_trace": {"of": "loss", "wrt": "x", "samples": 40},
+    "hessian_diag": {"of": "loss", "wrt": "x", "probes": 12},
+    "spectral_density": {"of": "loss", "wrt": "x", "probes": 12, "steps": 12},
+    "logdet": {"of": "loss", "wrt": "x", "probes": 12, "steps": 12, "damping": 100.0},
+    "ggn_vp": {"of": "y", "wrt": "x", "loss": "mse", "seeds": tensor(SEEDS)},
+    "fisher_vp": {"of": "y", "wrt": "x", "loss": "mse", "labels": "t", "seeds": tensor(SEEDS),
+                  "inputs": {"x": tensor(X), "t": tensor(LABELS)}},
+    "ggn_eig": {"of": "y", "wrt": "x", "loss": "mse", "rank": 2, "tol": 1e-6},
+    "ggn_trace": {"of": "y", "wrt": "x", "loss": "mse", "samples": 40},
+    "ihvp": {"of": "loss", "wrt": "x", "damping": 100.0, "seeds": tensor(SEEDS), "tol": 1e-6},
 }
 
 
@@ -124,17 +140,28 @@ def test_other_kinds_equal_gradient_tape(worker_client, redis_conn, keras_model,
     from contracts.kinds import KINDS
 
     r = worker_client.post("/v1/jobs", json={"model": {"path": "functional.keras"}, "kind": kind,
-                                             "inputs": {"x": tensor(X)}, **MORE[kind]})
+                                             "inputs": {"x": tensor(X)}, **MORE[kind]})   # fisher_vp: its inputs
     assert r.status_code == 202, r.text
     record = finished_job(worker_client, redis_conn, r.json()["id"])
-    got = np.asarray(xr.open_zarr(record["result"]["uri"])[KINDS[kind].main_array].values)
+    ds = xr.open_zarr(record["result"]["uri"])
+    got = np.asarray(ds[KINDS[kind].main_array].values)
     model = keras_model["functional"]
     J = tape(model, {"x": X}, "y", "x", "jacobian").reshape(8, 12)
     H = tape(model, {"x": X}, "loss", "x", "hessian").reshape(12, 12)
+    G, F, _ = curvature_references(J, tape_value(model, X, "y"), "mse", LABELS)
     want = {"vjp": SEEDS_OF.reshape(2, 8) @ J, "hvp": SEEDS.reshape(2, 12) @ H,
+            "ggn_vp": SEEDS.reshape(2, 12) @ G, "fisher_vp": SEEDS.reshape(2, 12) @ F,
+            "ggn_eig": sorted(np.linalg.eigvalsh(G), key=abs, reverse=True)[:2], "ggn_trace": np.trace(G),
+            "ihvp": np.linalg.solve(H + 100.0 * np.eye(12), SEEDS.reshape(2, 12).T).T,
             "svd": np.linalg.svd(J, compute_uv=False)[:2],
             "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2],
-            "hessian_trace": np.trace(H)}[kind]
+            "hessian_trace": np.trace(H), "hessian_diag": np.diag(H),
+            "logdet": np.linalg.slogdet(H + 100.0 * np.eye(12))[1], "spectral_density": None}[kind]
+    if want is None:   # the eigenvalues smoothed on the result's grid (unit start vectors: exact)
+        z = (ds["grid"].values[:, None] - np.linalg.eigvalsh(H)[None]) / ds.attrs["sigma"]
+        want = np.exp(-0.5 * z * z).sum(axis=1) / (12 * ds.attrs["sigma"] * np.sqrt(2 * np.pi))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * want.max())   # float32 Ritz values
+        return
     np.testing.assert_allclose(got.reshape(np.shape(want)), want, **TOL)
 
 
@@ -200,8 +227,8 @@ def test_missing_custom_class_refused_at_the_worker(worker_env, redis_conn, monk
         work_burst(redis_conn)
         record = JobStore(redis_conn).get(r.json()["id"])
     assert record.status.value == "failed", record
-    assert record.error["type"] == "InvalidRequest", record.error
-    assert "'jt>Scale'" in record.error["message"] and "JACOBIAN_KERAS_CUSTOM_OBJECTS" in record.error["message"]
+    assert record.error.type == "InvalidRequest", record.error
+    assert "'jt>Scale'" in record.error.message and "JACOBIAN_KERAS_CUSTOM_OBJECTS" in record.error.message
 
 
 def test_lambda_layer_runs_where_the_operator_turned_safe_mode_off(worker_env, redis_conn, model_root):

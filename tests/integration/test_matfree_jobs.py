@@ -61,6 +61,44 @@ def test_svd_and_hessian_kinds_over_http(client, redis_conn, model_root):
     np.testing.assert_allclose(float(trace["trace"]), np.trace(H), rtol=1e-9)
 
 
+def test_an_unconverged_svd_fails_loudly_unless_allowed(client, redis_conn, model_root):
+    """Within 1 iteration svd cannot meet tol 1e-12: the job fails NotConverged naming the residuals and the fixes;
+    with allow_unconverged it succeeds, and the status, the manifest and the group's attributes say unconverged."""
+    import json
+
+    import zarr
+
+    r = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="svd", rank=3, tol=1e-12, max_iterations=1))
+    assert r.status_code == 202, r.text
+    work_burst(redis_conn)
+    record = client.get(f"/v1/jobs/{r.json()['id']}").json()
+    assert record["status"] == "failed" and record["error"]["type"] == "NotConverged", record
+    message = record["error"]["message"]
+    assert "relative residuals [" in message and "max_iterations (now 1)" in message
+    assert "allow_unconverged: true" in message and record["result"] is None
+
+    r = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="svd", rank=3, tol=1e-12, max_iterations=1,
+                                          allow_unconverged=True))
+    record = finished_job(client, redis_conn, r.json()["id"])
+    result = record["result"]
+    assert result["converged"] is False and result["warning"].startswith("not converged"), result
+    group = zarr.open_group(result["uri"], mode="r")
+    assert group.attrs["converged"] is False and group.attrs["allow_unconverged"] is True
+    assert group.attrs["plan"]["converged"] is False
+    manifest = json.loads((Path(result["uri"]).parent / "manifest.json").read_text())
+    assert manifest["converged"] is False and "warning" in manifest
+
+    converged = finished_job(client, redis_conn, client.post("/v1/jobs", json=body(
+        of="y", wrt="x", kind="svd", rank=2, tol=1e-8)).json()["id"])
+    assert converged["result"]["converged"] is True and converged["result"].get("warning") is None
+
+
+def test_allow_unconverged_and_max_iterations_are_refused_for_other_kinds(client):
+    for field, value in (("allow_unconverged", True), ("max_iterations", 10)):
+        r = client.post("/v1/jobs", json=body(of="y", wrt="x", kind="jacobian", **{field: value}))
+        assert r.status_code == 422 and f"{field}: only for kind 'svd' or 'hessian_eig'" in r.text, r.text
+
+
 def test_products_with_seeds_in_json_and_in_an_npz_over_several_wrt(client, redis_conn, model_root):
     import xarray as xr
 

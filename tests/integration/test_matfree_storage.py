@@ -69,7 +69,7 @@ def test_products_over_several_wrt_match_the_dense_jacobian(f64, tmp_path):
     _, model, inputs = f64
     seeds = np.random.default_rng(4).normal(size=(5, 3, 4))
     ds, manifest = stored(tmp_path, model, inputs, "vjp", of="y", wrt=["x", "variables/w"], seeds=seeds,
-                          chunk_size=2)
+                          chunk_rows=2)
     Jx = tape_jacobian(model, inputs, "y", "x").reshape(12, 15)
     Jw = tape_jacobian(model, inputs, "y", "variables/w").reshape(12, 20)
     want = seeds.reshape(5, 12) @ np.concatenate([Jx, Jw], axis=1)
@@ -118,7 +118,7 @@ def test_a_stopped_products_job_resumes_from_its_committed_blocks(f64, tmp_path)
         calls["n"] += 1
         return calls["n"] > 1
 
-    options = dict(results_url=str(tmp_path), job_id="resume", seeds=seeds, chunk_size=2, block_bytes=15 * 8)
+    options = dict(results_url=str(tmp_path), job_id="resume", seeds=seeds, chunk_rows=2, block_bytes=15 * 8)
     with pytest.raises(Stopped):
         compute_matfree_to_storage(op, "vjp", should_stop=stop_after_one_call, **options)
     assert not (tmp_path / "resume" / "manifest.json").exists()

@@ -102,8 +102,8 @@ def test_worker_refuses_a_model_replaced_after_post(worker_client, redis_conn, m
     work_burst(redis_conn)
     record = JobStore(redis_conn).get(job_id)
     assert record.status == JobStatus.failed, record
-    assert record.error["type"] == "ModelRefused", record.error
-    assert record.error["message"].startswith("model.path: the model uses op 'WriteFile'")
+    assert record.error.type == "ModelRefused", record.error
+    assert record.error.message.startswith("model.path: the model uses op 'WriteFile'")
     assert not (outside / "written.txt").exists()
     rq_job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
     assert rq_job.retries_left == 2  # failed for good: rq did not retry

@@ -69,7 +69,7 @@ def test_a_worker_that_never_saw_the_model_runs_with_the_plan_another_worker_mad
     run_worker(base_env(**common, JACOBIAN_CACHE_DIR=str(cache_a)), tmp_path / "a.log")
     rec_a = store.get(first)
     assert rec_a.status == JobStatus.succeeded, rec_a.error
-    assert rec_a.plan["source"] == "default"
+    assert rec_a.plan.source == "default"
     keys = redis_conn.keys("jacobian:plan:*")
     assert len(keys) == 1, keys
     digest = keys[0].decode().rsplit(":", 1)[1]
@@ -81,10 +81,10 @@ def test_a_worker_that_never_saw_the_model_runs_with_the_plan_another_worker_mad
     run_worker(base_env(**common, JACOBIAN_CACHE_DIR=str(cache_b)), tmp_path / "b.log")
     rec_b = store.get(second)
     assert rec_b.status == JobStatus.succeeded, rec_b.error
-    assert rec_b.plan["source"] == "cache" and rec_b.plan["plan_key"] == rec_a.plan["plan_key"]
+    assert rec_b.plan.source == "cache" and rec_b.plan.plan_key == rec_a.plan.plan_key
     # the shared plan's strategy, unless a trial of another one paid on this (timing-dependent) machine
-    trial = rec_b.plan.get("trial")
-    assert rec_b.plan["strategy"] == shared["strategy"] or trial, (rec_b.plan["strategy"], shared["strategy"])
+    trial = rec_b.plan.model_extra.get("trial")
+    assert rec_b.plan.strategy == shared["strategy"] or trial, (rec_b.plan.strategy, shared["strategy"])
     # worker B kept the plan in its own folder (the second level) and added its job to the shared one
     assert (cache_b / "plans" / f"{digest}.json").exists()
     assert json.loads(redis_conn.get(keys[0]))["jobs"] == 2

@@ -83,10 +83,10 @@ def test_a_job_that_kills_its_worker_twice_fails_as_worker_died_and_the_queue_go
             victims.append(name)
         rec = pool.wait_terminal(poison, timeout_s=90)
         print(f"\n[poison] {rec.error}")
-        assert rec.status == JobStatus.failed and rec.error["type"] == "WorkerDied", (rec.error, pool.log_tail())
+        assert rec.status == JobStatus.failed and rec.error.type == "WorkerDied", (rec.error, pool.log_tail())
         assert rec.deaths == [f"worker {name} killed: SIGKILL (exit -9)" for name in victims], rec
-        assert "died 2 times" in rec.error["message"] and all(d in rec.error["message"] for d in rec.deaths)
-        assert "memory_budget_bytes" in rec.error["message"]
+        assert "died 2 times" in rec.error.message and all(d in rec.error.message for d in rec.deaths)
+        assert "memory_budget_bytes" in rec.error.message
         job = rq_job(pool.conn, poison)
         assert job.get_status() == RqStatus.FAILED  # rq's last retry was called off: not queued nor scheduled
         queue = Queue(QUEUE, connection=pool.conn, serializer=JSONSerializer)
@@ -131,8 +131,8 @@ def test_a_job_over_its_timeout_s_fails_naming_that_limit_and_leaves_no_result(w
     store = JobStore(redis_conn)
     assert store.get(done).status == JobStatus.succeeded, store.get(done).error
     rec = store.get(late)
-    assert rec.status == JobStatus.failed and rec.error["type"] == "JobTimeout", rec.error
-    message = rec.error["message"]
+    assert rec.status == JobStatus.failed and rec.error.type == "JobTimeout", rec.error
+    message = rec.error.message
     assert "limit of 1 s (the request's timeout_s)" in message and "JACOBIAN_MAX_JOB_TIMEOUT_S" in message, message
     ran_s = float(re.search(r"the job ran ([0-9.]+) s", message).group(1))
     assert 1.0 <= ran_s < 5.0 and spent_s < 20, (ran_s, spent_s)  # the worker's check, not rq's 600 s backstop

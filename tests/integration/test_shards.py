@@ -97,7 +97,7 @@ def tape_jacobian(model_dir: Path, x: np.ndarray) -> np.ndarray:
 
 
 def result_bytes(rec: JobRecord) -> bytes:
-    arr = zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:]
+    arr = zarr.open_array(rec.result.uri + "/jacobian", mode="r")[:]
     return np.ascontiguousarray(arr).tobytes()
 
 
@@ -220,15 +220,15 @@ def test_sharded_results_equal_unsharded_bitwise_with_two_workers(pool):
     recs = dict(zip(jobs, pool.wait_terminal(*jobs.values())))
     for name, rec in recs.items():
         assert rec.status == JobStatus.succeeded, (name, rec.error, pool.log_tail())
-    assert {name: rec.plan["shards"] for name, rec in recs.items()} == {"mlp2": 2, "mlp3": 3, "mlp_auto": 2,
+    assert {name: rec.plan.shards for name, rec in recs.items()} == {"mlp2": 2, "mlp3": 3, "mlp_auto": 2,
                                                                        "cnn3": 3}
     store = pool.store()
     workers_seen = set()
     for rec in recs.values():
-        n = rec.plan["shards"]
+        n = rec.plan.shards
         plan = store.shard_plan(rec.id)
-        assert plan["rows_total"] == rec.progress["rows_total"] == rec.progress["rows_done"]
-        assert rec.progress["fraction"] == 1.0 and rec.error is None
+        assert plan["rows_total"] == rec.progress.rows_total == rec.progress.rows_done
+        assert rec.progress.fraction == 1.0 and rec.error is None
         assert set(rec.to_public()) >= {"id", "status", "progress", "plan", "result", "error", "created_at",
                                         "started_at", "finished_at"}
         shard_strategies = set()
@@ -250,16 +250,16 @@ def test_sharded_results_equal_unsharded_bitwise_with_two_workers(pool):
     # (Each planner pins the strategy its own timed trial picked; tiled and vectorized rows of this
     # MLP differ in the last bit, so the reference takes the same one.)
     inputs = {"mlp": {"x": x}, "cnn": {"image": image}}
-    wanted = {(name[:3], rec.plan["strategy"]) for name, rec in recs.items()}
+    wanted = {(name[:3], rec.plan.strategy) for name, rec in recs.items()}
     refs = {key: pool.submit(inputs[key[0]], model=key[0], shards=1, chunk_rows=2, strategy=key[1])
             for key in sorted(wanted)}
     ref_recs = dict(zip(refs, pool.wait_terminal(*refs.values())))
     for rec in ref_recs.values():
-        assert rec.status == JobStatus.succeeded and rec.plan["shards"] == 1, rec.error
+        assert rec.status == JobStatus.succeeded and rec.plan.shards == 1, rec.error
         assert not Job.exists(finalizer_job_id(rec.id), connection=pool.conn)  # one piece: no finalizer
     for name, rec in recs.items():
-        assert result_bytes(rec) == result_bytes(ref_recs[(name[:3], rec.plan["strategy"])]), name
-    np.testing.assert_allclose(zarr.open_array(recs["mlp2"].result["uri"] + "/jacobian", mode="r")[:],
+        assert result_bytes(rec) == result_bytes(ref_recs[(name[:3], rec.plan.strategy)]), name
+    np.testing.assert_allclose(zarr.open_array(recs["mlp2"].result.uri + "/jacobian", mode="r")[:],
                                tape_jacobian(pool.model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
 
@@ -325,7 +325,7 @@ def test_worker_killed_mid_shard_only_that_shard_reruns(pool):
     rows_per_block = 1
     assert progress[1]["rows_computed"] == computed_at_kill + (b1 - a1) - len(in_shard2) * rows_per_block
     # the result is the one an uninterrupted run gives, bit for bit
-    ref = pool.submit({"x": x}, shards=1, chunk_rows=2, strategy=rec.plan["strategy"])
+    ref = pool.submit({"x": x}, shards=1, chunk_rows=2, strategy=rec.plan.strategy)
     (ref_rec,) = pool.wait_terminal(ref)
     assert ref_rec.status == JobStatus.succeeded
     assert result_bytes(rec) == result_bytes(ref_rec)
@@ -385,7 +385,7 @@ def test_transient_shard_failure_is_retried_alone(env, redis_conn, model_root, m
     assert rq_job(redis_conn, s[2]).retries_left == 1 and rq_job(redis_conn, s[0]).retries_left == 2
     # shard 3 computed its 4 rows, then only the 2 rows of the block that was not committed
     assert [p["rows_computed"] for p in JobStore(redis_conn).shard_progress(job_id).values()] == [4, 4, 6]
-    np.testing.assert_allclose(zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:],
+    np.testing.assert_allclose(zarr.open_array(rec.result.uri + "/jacobian", mode="r")[:],
                                tape_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
     with TestClient(create_app()) as client:
         body = client.get(f"/v1/jobs/{job_id}").json()
@@ -409,7 +409,7 @@ def test_progress_is_summed_over_shards_while_running(env, redis_conn, model_roo
     work_burst(redis_conn)
     assert [p["rows_done"] for p in seen] == [0, 4, 8]  # as each shard starts, the others' rows count
     assert all(p["rows_total"] == 12 for p in seen)
-    assert JobStore(redis_conn).get(job_id).progress["rows_done"] == 12
+    assert JobStore(redis_conn).get(job_id).progress.rows_done == 12
 
 
 def test_shard_failing_for_good_fails_the_job(env, redis_conn, model_root, monkeypatch):
@@ -425,8 +425,8 @@ def test_shard_failing_for_good_fails_the_job(env, redis_conn, model_root, monke
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed and rec.result is None
-    assert rec.error["type"] == "ResultWriteError"
-    assert rec.error["message"].startswith("shard 2 of 3 (rows 4:8): ") and "after 2 attempts" in rec.error["message"]
+    assert rec.error.type == "ResultWriteError"
+    assert rec.error.message.startswith("shard 2 of 3 (rows 4:8): ") and "after 2 attempts" in rec.error.message
     assert rq_job(redis_conn, shard_job_id(job_id, 1)).get_status() == RqStatus.FAILED
     final = rq_job(redis_conn, finalizer_job_id(job_id))
     assert final.get_status() == RqStatus.FINISHED  # ran despite the failed dependency, claimed nothing
@@ -453,8 +453,8 @@ def test_shard_lost_without_a_trace_fails_the_job_in_the_finalizer(env, redis_co
     queue.enqueue_dependents(lost)
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
-    assert rec.status == JobStatus.failed and rec.error["type"] == "ShardFailed"
-    assert rec.error["message"].startswith("shard 2 of 3 (rows 4:8) did not finish (2 blocks missing; rq: failed")
+    assert rec.status == JobStatus.failed and rec.error.type == "ShardFailed"
+    assert rec.error.message.startswith("shard 2 of 3 (rows 4:8) did not finish (2 blocks missing; rq: failed")
     assert not (env / job_id / "manifest.json").exists()
 
 
@@ -483,7 +483,7 @@ def test_cancel_stops_running_shards_between_chunks(env, redis_conn, model_root,
 
     def update(self, job_id, index, progress, **kw):  # cancel once shard 1 reported its first chunk
         real_update(self, job_id, index, progress, **kw)
-        if progress["rows_done"] >= 2:
+        if progress.rows_done >= 2:
             self.set_fields(job_id, cancel_requested=True)
 
     monkeypatch.setattr(JobStore, "update_shard_progress", update)

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobStore
+from contracts.records import PlanInfo, ResultInfo
 from contracts.settings import get_settings
 from jacobian.client import JacobianClient
 from tests.sparse_group import random_matrix, write_sparse_group
@@ -55,8 +56,8 @@ def refused(r, field: str, *texts: str) -> str:
 def succeed(redis_conn, job_id: str, result: dict | None = None) -> None:
     store = JobStore(redis_conn)
     store.transition(job_id, JobStatus.running)
-    store.transition(job_id, JobStatus.succeeded, finished_at=time.time(),
-                     result=result or {"uri": "/nowhere", "shape": [8, 16], "dtype": "float32"})
+    result = result or {"uri": "/nowhere", "shape": [8, 16], "dtype": "float32"}
+    store.transition(job_id, JobStatus.succeeded, finished_at=time.time(), result=ResultInfo.model_validate(result))
 
 
 def test_sparsity_travels_in_the_spec_from_json_and_from_the_npz_query(client, redis_conn):
@@ -163,7 +164,8 @@ def make_sparse_job(client, redis_conn, results, *, described: bool = True):
         result |= {"format": "coo", "dense_shape": manifest["dense_shape"]}
     store = JobStore(redis_conn)
     store.transition(job_id, JobStatus.running)
-    store.transition(job_id, JobStatus.succeeded, finished_at=time.time(), plan=manifest["plan"], result=result)
+    store.transition(job_id, JobStatus.succeeded, finished_at=time.time(),
+                     plan=PlanInfo.model_validate(manifest["plan"]), result=ResultInfo.model_validate(result))
     return job_id, matrix
 
 

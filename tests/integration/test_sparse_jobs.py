@@ -25,6 +25,8 @@ def model_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     sparse_models.conv_net(root / "conv", size=20, channels=(3, 2))
     sparse_models.mlp(root / "mlp")
+    sparse_models.conv1d_net(root / "conv1d", length=64)
+    sparse_models.no_rule(root / "no_rule")
     return root
 
 
@@ -90,6 +92,40 @@ def test_a_dense_pattern_is_computed_densely_and_says_why(client, redis_conn, mo
     rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "0:3"})
     np.testing.assert_allclose(np.load(io.BytesIO(rows.content)).reshape(3, 6),
                                dense(model_root, "mlp", {"x": X[:1]}, "y", "x"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_keras_conv1d_job_is_computed_sparsely(client, redis_conn, model_root):
+    """Keras Conv1D (ExpandDims, Conv2D, Squeeze; causal Pad; dilated SpaceToBatchND) is detected exactly and
+    computed by compressed products, not handed back to the dense path (issue 30)."""
+    import scipy.sparse as sp
+    import zarr
+
+    x = np.random.default_rng(5).standard_normal((2, 64, 2)).astype("float32")
+    want = dense(model_root, "conv1d", {"x": x}, "y", "x")
+    r = client.post("/v1/jobs", json={"model": {"path": "conv1d"}, "inputs": {"x": tensor(x)}, "sparsity": "auto"})
+    assert r.status_code == 202, r.text
+    record = finished_job(client, redis_conn, r.json()["id"])
+    info = record["plan"]["sparsity"]
+    assert record["plan"]["strategy"] == "sparse" and info["verified"] is True, info
+    assert "fallback" not in info and "no_rule" not in info and info["nnz"] == int((want != 0).sum())
+    assert info["colors"] < min(want.shape) // 2
+    group = zarr.open_group(record["result"]["uri"], mode="r")
+    got = sp.coo_array((group["values"][...], (group["rows"][...], group["cols"][...])),
+                       shape=tuple(group.attrs["shape"])).toarray()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_op_without_a_rule_is_named_in_the_plan(client, redis_conn, model_root):
+    x = np.random.default_rng(6).standard_normal((3, 4)).astype("float32")
+    r = client.post("/v1/jobs", json={"model": {"path": "no_rule"}, "inputs": {"x": tensor(x)}, "sparsity": "auto"})
+    assert r.status_code == 202, r.text
+    record = finished_job(client, redis_conn, r.json()["id"])
+    info = record["plan"]["sparsity"]
+    assert list(info["no_rule"]) == ["TopKV2"]
+    assert info["fallback"].startswith("dense: the pattern holds 100.0%") and "TopKV2 (" in info["fallback"]
+    rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "0:12"})
+    np.testing.assert_allclose(np.load(io.BytesIO(rows.content)).reshape(12, 12),
+                               dense(model_root, "no_rule", {"x": x}, "y", "x"), rtol=1e-5, atol=1e-6)
 
 
 def test_a_detected_pattern_is_shared_through_redis(worker_env, redis_conn, model_root, monkeypatch, tmp_path):

@@ -90,8 +90,8 @@ def test_chunk_rows_beyond_the_job_is_clamped_to_its_rows(env, redis_conn, model
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded, rec.error
-    assert rec.plan["chunk_rows"] == 12
-    np.testing.assert_allclose(zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[...],
+    assert rec.plan.chunk_rows == 12
+    np.testing.assert_allclose(zarr.open_array(rec.result.uri + "/jacobian", mode="r")[...],
                                reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
 
@@ -101,17 +101,17 @@ def test_job_succeeds_with_progress_plan_manifest_and_exact_result(env, redis_co
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.succeeded, rec.error
     assert rec.error is None and rec.started_at and rec.finished_at and rec.finished_at >= rec.started_at
-    assert rec.progress["rows_done"] == rec.progress["rows_total"] == 12
-    assert rec.progress["fraction"] == 1.0 and rec.progress["eta_seconds"] == 0.0
-    assert rec.progress["rows_per_second"] > 0
-    assert rec.plan["chunk_rows"] == 5 and rec.plan["strategy"] and rec.plan["mode"] == "reverse"
-    assert rec.result == {"uri": str(env / job_id / "result.zarr"), "shape": [3, 4, 3, 8], "dtype": "float32"}
+    assert rec.progress.rows_done == rec.progress.rows_total == 12
+    assert rec.progress.fraction == 1.0 and rec.progress.eta_seconds == 0.0
+    assert rec.progress.rows_per_second > 0
+    assert rec.plan.chunk_rows == 5 and rec.plan.strategy and rec.plan.mode == "reverse"
+    assert dump(rec.result) == {"uri": str(env / job_id / "result.zarr"), "shape": [3, 4, 3, 8], "dtype": "float32"}
     manifest = json.loads((env / job_id / "manifest.json").read_text())
     assert manifest["id"] == job_id and manifest["shape"] == [3, 4, 3, 8] and manifest["kind"] == "jacobian"
     assert manifest["of"] == "y" and manifest["wrt"] == "x" and manifest["plan"]["chunk_rows"] == 5
     assert manifest["model"]["path"] == str(model_root / "mlp")
     assert sorted(os.listdir(env / job_id / "committed")) == [str(i) for i in range(6)]
-    arr = zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")  # plain zarr, no project code
+    arr = zarr.open_array(rec.result.uri + "/jacobian", mode="r")  # plain zarr, no project code
     assert arr.chunks == (1, 2, 3, 8)  # rows run over (3, 4); two rows per block
     np.testing.assert_allclose(arr[:], reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == RqStatus.FINISHED
@@ -137,7 +137,7 @@ def test_transient_storage_failure_is_retried_by_rq_and_resumes(env, redis_conn,
 
     def spy_run(problem, **kwargs):
         rec = JobStore(redis_conn).get(job_id)
-        calls.append((kwargs["ranges"], rec.progress["rows_done"], rec.status, rec.error))
+        calls.append((kwargs["ranges"], rec.progress.rows_done, rec.status, rec.error))
         return real_run(problem, **kwargs)
 
     monkeypatch.setattr(worker.engine, "run_problem", spy_run)
@@ -159,7 +159,7 @@ def test_transient_storage_failure_is_retried_by_rq_and_resumes(env, redis_conn,
     # The first attempt handed all 12 rows to the writer before block 3's commit failed; the resumed one
     # restarts from the 6 committed rows. Progress keeps the 12 reported (it went back to 6 before).
     assert calls[1][1] == 12 and reported == sorted(reported) and reported[-1] == 12, reported
-    np.testing.assert_allclose(zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:],
+    np.testing.assert_allclose(zarr.open_array(rec.result.uri + "/jacobian", mode="r")[:],
                                reference_jacobian(model_root / "mlp", x), rtol=1e-5, atol=1e-6)
 
 
@@ -174,7 +174,7 @@ def test_transient_failure_without_retries_left_ends_failed(env, redis_conn, mod
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed
-    assert rec.error["type"] == "ResultWriteError" and "after 2 attempts" in rec.error["message"]
+    assert rec.error.type == "ResultWriteError" and "after 2 attempts" in rec.error.message
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == RqStatus.FAILED
 
 
@@ -194,8 +194,8 @@ def test_hostile_inputs_fail_the_job_before_anything_is_inflated(env, redis_conn
     assert bomb.stat().st_size < 1 << 20
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
-    assert rec.status == JobStatus.failed and rec.error["type"] == "InvalidInputs", rec.error
-    assert "inputs.npz': input 'x': dtype '|V67108864' is not a number or boolean type" in rec.error["message"]
+    assert rec.status == JobStatus.failed and rec.error.type == "InvalidInputs", rec.error
+    assert "inputs.npz': input 'x': dtype '|V67108864' is not a number or boolean type" in rec.error.message
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).retries_left == 2  # no retry
 
 
@@ -204,8 +204,8 @@ def test_engine_error_fails_with_clear_message_and_no_retry(env, redis_conn, mod
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.failed and rec.finished_at
-    assert rec.error["type"] == "InvalidRequest"
-    assert "wrt" in rec.error["message"] and "'x'" in rec.error["message"]  # names the field and the choice
+    assert rec.error.type == "InvalidRequest"
+    assert "wrt" in rec.error.message and "'x'" in rec.error.message  # names the field and the choice
     rq_job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
     assert rq_job.get_status() == RqStatus.FINISHED and rq_job.retries_left == 2  # rq did not retry
     assert Queue(get_settings().queue_name, connection=redis_conn, serializer=JSONSerializer).count == 0
@@ -228,7 +228,7 @@ def test_cancel_between_chunks_removes_partial_data(env, redis_conn, model_root,
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
     assert rec.status == JobStatus.canceled and rec.finished_at and rec.result is None
-    assert 2 <= rec.progress["rows_done"] < 12
+    assert 2 <= rec.progress.rows_done < 12
     assert not (env / job_id).exists()
 
 
@@ -247,8 +247,8 @@ def test_model_outside_roots_fails(env, redis_conn, model_root, x, monkeypatch, 
     job_id = submit(redis_conn, env, model_root, x)
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
-    assert rec.status == JobStatus.failed and rec.error["type"] == "ModelPathNotAllowed"
-    assert "model.path" in rec.error["message"]
+    assert rec.status == JobStatus.failed and rec.error.type == "ModelPathNotAllowed"
+    assert "model.path" in rec.error.message
 
 
 def test_worker_heartbeats_while_a_job_runs(env, redis_conn, model_root, x, monkeypatch):
@@ -285,7 +285,7 @@ def test_worker_console_script_burst(env, redis_server, redis_conn, model_root, 
     assert rec.status == JobStatus.succeeded, (rec.error, out.stderr[-3000:])
     full = reference_jacobian(model_root / "mlp", x)
     expected = np.stack([full[b, :, b, :] for b in range(3)])  # (3, 4, 8)
-    got = zarr.open_array(rec.result["uri"] + "/jacobian", mode="r")[:]
+    got = zarr.open_array(rec.result.uri + "/jacobian", mode="r")[:]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -304,5 +304,5 @@ def test_rerun_of_a_finished_job_computes_nothing(env, redis_conn, model_root, x
         "worker.tasks.run_job", spec, job_id=job_id)
     work_burst(redis_conn)
     rec = JobStore(redis_conn).get(job_id)
-    assert rec.status == JobStatus.succeeded and rec.result["shape"] == [3, 4, 3, 8]
+    assert rec.status == JobStatus.succeeded and rec.result.shape == [3, 4, 3, 8]
     assert (env / job_id / "manifest.json").read_bytes() == manifest

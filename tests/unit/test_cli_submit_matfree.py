@@ -47,6 +47,11 @@ def test_submit_sends_seeds_in_the_npz_and_the_options_as_query(seen, tmp_path, 
     assert code == 0
     assert (seen[1].url.params["rank"], seen[1].url.params["tol"]) == ("3", "1e-06")
     assert "__seeds__" not in np.load(io.BytesIO(seen[1].content)).files
+    code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--of", "loss", "--kind",
+                     "logdet", "--probes", "20", "--steps", "30", "--damping", "0.5"])
+    assert code == 0
+    params = seen[2].url.params
+    assert (params["probes"], params["steps"], params["damping"]) == ("20", "30", "0.5") and "sigma" not in params
 
 
 def test_unreadable_seeds_are_refused_naming_the_option(seen, tmp_path, capsys):
@@ -54,3 +59,22 @@ def test_unreadable_seeds_are_refused_naming_the_option(seen, tmp_path, capsys):
     code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--kind", "jvp",
                      "--seeds", str(tmp_path / "missing.npy")])
     assert code == 2 and "--seeds:" in capsys.readouterr().err and not seen
+
+
+def test_submit_sends_the_curvature_fields_as_query(seen, tmp_path, capsys):
+    """``--loss``, ``--labels``, ``--damping``, ``--curvature``, ``--max-iterations``: the request fields of the same
+    names; the labels travel as their member of the --input .npz."""
+    np.savez(tmp_path / "in.npz", x=np.ones((3, 5)), t=np.zeros((3, 4)))
+    np.save(tmp_path / "seeds.npy", np.ones((2, 3, 5)))
+    code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--of", "y", "--kind", "ihvp",
+                     "--curvature", "ggn", "--loss", "mse", "--damping", "0.5", "--max-iterations", "40",
+                     "--seeds", str(tmp_path / "seeds.npy")])
+    assert code == 0 and capsys.readouterr().out == f"{JOB}\n"
+    params = seen[0].url.params
+    assert (params["kind"], params["curvature"], params["loss"], params["damping"], params["max_iterations"]) == \
+        ("ihvp", "ggn", "mse", "0.5", "40")
+    code = cli.main(["submit", "--model", "f64", "--input", str(tmp_path / "in.npz"), "--of", "y", "--kind",
+                     "fisher_vp", "--loss", "softmax_cross_entropy", "--labels", "t",
+                     "--seeds", str(tmp_path / "seeds.npy")])
+    assert code == 0 and seen[1].url.params["labels"] == "t" and "damping" not in seen[1].url.params
+    assert set(np.load(io.BytesIO(seen[1].content)).files) == {"x", "t", "__seeds__"}

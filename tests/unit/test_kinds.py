@@ -24,7 +24,8 @@ def test_every_array_has_its_axes_and_each_family_its_own_data():
 
 def test_the_whole_matrix_of_a_kind_is_the_dense_kind_of_the_same_derivative():
     assert [kind_spec(k).whole_matrix for k in ("jvp", "vjp", "svd", "jacobian", "batch_jacobian")] == ["jacobian"] * 5
-    assert {kind_spec(k).whole_matrix for k in ("hvp", "hessian_eig", "hessian_trace", "hessian")} == {"hessian"}
+    assert {kind_spec(k).whole_matrix for k in ("hvp", "hessian_eig", "hessian_trace", "hessian", "hessian_diag",
+                                                "spectral_density", "logdet")} == {"hessian"}
 
 
 @pytest.mark.parametrize(("kind", "array", "want"), [
@@ -37,6 +38,10 @@ def test_the_whole_matrix_of_a_kind_is_the_dense_kind_of_the_same_derivative():
     ("svd", "S", ["k"]),
     ("hessian_eig", "eigenvectors", ["k", "wrt_0"]),
     ("hessian_trace", "stderr", []),
+    ("hessian_diag", "stderr", ["wrt_0"]),
+    ("spectral_density", "nodes", ["probe", "step"]),
+    ("spectral_density", "density", ["grid"]),
+    ("logdet", "logdet", []),
 ])
 def test_dimension_names_spell_out_the_kinds_dims(kind, array, want):
     of_shape, wrt_shape = ((2, 3), (2, 4)) if kind == "batch_jacobian" else ((2, 3), (4,))
@@ -69,14 +74,17 @@ def test_every_spectral_kind_has_an_algorithm_in_the_engine():
 
 
 @pytest.mark.parametrize(("kind", "values"), [("svd", [30.0, 2.0, 0.5]), ("hessian_eig", [-3.0, 1.0]),
-                                               ("hessian_trace", 4.25)])
+                                               ("hessian_trace", 4.25), ("hessian_diag", [0.5, -1.0, 2.0]),
+                                               ("hessian_diag", list(range(10_000))), ("logdet", -3.5),
+                                               ("spectral_density", [0.0, 0.2, 1.0, 0.2, 0.0])])
 def test_each_spectral_kind_draws_with_its_own_words(kind, values):
     import numpy as np
 
     from app.spectrum import render_spectrum
 
     attrs = {"kind": kind, "of": "y", "wrt": ["x", "w"], "method": "m", "residuals": [1e-6] * np.size(values),
-             "products": {"jvp": 3, "hvp": 0}}
+             "products": {"jvp": 3, "hvp": 0}, "grid_range": [-1.0, 2.0], "sigma": 0.1, "probes": 4, "steps": 9,
+             "damping": 0.5 if kind == "logdet" else None}
     png = render_spectrum(np.asarray(values), attrs, job_id="j", stderr=0.1 if kind == "hessian_trace" else None)
     assert png.startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="no spectrum"):

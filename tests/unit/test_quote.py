@@ -41,6 +41,18 @@ def test_matrix_free_kinds_count_products_and_their_arrays():
     assert trace.result_bytes == 8
 
 
+def test_the_estimating_kinds_count_probes_and_lanczos_steps():
+    diag = quote(job(of="loss", wrt="x", kind="hessian_diag"), SIG, {}, SHAPES)   # n = 128 > 64: 100 probes
+    assert [a.shape for a in diag.arrays] == [[16, 8], [16, 8]] and diag.passes.count == 100
+    small = quote(job(of="loss", wrt="x", kind="hessian_diag", probes=200), SIG, {}, SHAPES)
+    assert small.passes.count == 128 and "exact" in small.passes.note
+    density = quote(job(of="loss", wrt="x", kind="spectral_density", probes=4, steps=300), SIG, {}, SHAPES)
+    assert [a.shape for a in density.arrays] == [[512], [512], [4, 128], [4, 128]]   # steps: at most n
+    assert density.passes.count == 4 * 128 and density.passes.estimate
+    logdet = quote(job(of="loss", wrt="x", kind="logdet", damping=0.1), SIG, {}, SHAPES)
+    assert [a.shape for a in logdet.arrays] == [[], []] and logdet.passes.count == 10 * 50
+
+
 def test_sparsity_counts_colours_unknown_until_the_pattern():
     q = quote(job(of="y", wrt="x", sparsity="auto"), SIG, {}, SHAPES)
     assert q.passes.unit == "colours" and q.passes.count is None and q.result_bytes is None

@@ -29,6 +29,16 @@ class BatchNotIndependent(EngineError):
     """``batch_jacobian`` was asked for a model whose examples interact."""
 
 
+class NotConverged(EngineError):
+    """A spectral kind or a solve (``ihvp``) did not meet ``tol`` within ``max_iterations`` (and the request did not
+    say ``allow_unconverged``): the message names the residuals and what to change; never a silent answer."""
+
+    def __init__(self, message: str, *, field: str | None = "max_iterations", residuals: list[float] | None = None
+                 ) -> None:
+        super().__init__(message, field=field)
+        self.residuals = residuals or []
+
+
 class MemoryBudgetTooSmall(EngineError):
     """Not even one row fits in the memory budget or the free memory."""
 
@@ -51,3 +61,7 @@ class WrongRowsDelivered(EngineError):
 
 class GPUMemoryReserved(EngineError):
     """TensorFlow reserved the whole GPU before memory growth (or a memory limit) was set: no plan can hold."""
+
+
+class NotPositiveDefinite(EngineError):
+    """Conjugate gradients met a direction of non-positive curvature: the damped matrix is not positive definite."""

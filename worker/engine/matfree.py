@@ -2,7 +2,8 @@
 
 ``build_operator`` resolves a request (``of``, ``wrt`` as one name, a list or ``"variables/*"``:
 ``worker.engine.wrt_axis``) and returns an ``Operator`` whose products take a batch of ``k`` seeds
-per compiled call, chunked over the seeds by the caller's ``chunk_size`` (halved on out-of-memory).
+per compiled call, chunked over the seeds by the caller's ``chunk_rows`` (the request's: seeds are the rows of
+the products; halved on out-of-memory).
 Seeds and results are flat along ``wrt``: ``jvp`` ``(k, n_wrt) -> (k,) + of.shape``, ``vjp``
 ``(k,) + of.shape -> (k, n_wrt)``, ``hvp`` ``(k, n_wrt) -> (k, n_wrt)`` (``Operator.axis.unflatten``
 gives ``(k,) + wrt.shape``). A flat seed is split into per-source pieces by the axis' slices; the
@@ -35,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from contracts.kinds import kind_spec
 from worker.engine import matfree_rules, pfor_patches, trace_cache
 from worker.engine.chunk_run import Adjoint, agrees
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
+from worker.engine.matfree_result import MatFreeResult
 from worker.engine.memory import is_out_of_memory
 from worker.engine.model import LoadedModel
 from worker.engine.problem import _convert_inputs, _described, _probe_shape, _ruled, error_summary
@@ -71,31 +73,6 @@ class ProductKey:
     inputs: tuple[tuple[str, str], ...]
 
 
-@dataclass
-class MatFreeResult:
-    """What a matrix-free kind produced: ``arrays`` by storage name (``products``; ``S``, ``U``, ``V``;
-    ``eigenvalues``, ``eigenvectors``; ``trace``, ``stderr``) and how: ``method``, ``iterations``,
-    ``residuals`` (or None), ``products`` (counts by kind, and ``checks``), ``converged``, and ``attrs``
-    (JSON: tolerances, sizes, what the residuals measure)."""
-
-    kind: str
-    method: str
-    arrays: dict[str, np.ndarray]
-    products: dict[str, int]
-    iterations: int = 0
-    residuals: np.ndarray | None = None
-    converged: bool = True
-    attrs: dict[str, Any] = field(default_factory=dict)
-
-    def attributes(self) -> dict[str, Any]:
-        """JSON attributes for the result group."""
-        out = {"kind": self.kind, "method": self.method, "iterations": self.iterations, "products": self.products,
-               "converged": self.converged, **self.attrs}
-        if self.residuals is not None:
-            out["residuals"] = [float(r) for r in np.asarray(self.residuals, np.float64)]
-        return out
-
-
 class Operator:
     """The matrix-free products of one request: ``of`` (shape ``of_shape``) w.r.t. ``axis`` (see the module
     docstring). ``dtype``: the dtype of results; ``compute_dtype``: of seeds and products in the graph."""
@@ -111,6 +88,7 @@ class Operator:
         self.on_choice: Callable[[], None] | None = None   # told when a label is chosen (to keep it)
         self.trace_dir: str | None = None     # the cache folder: traced functions kept for later processes
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
+        self.middles: dict[str, Callable[[np.ndarray], np.ndarray]] = {}   # J^T M J kinds: M (``curvature.middles``)
         self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
         # Planning chunks of seeds from memory (``plan_memory``): the probe, the budget, what was planned.
@@ -160,6 +138,12 @@ class Operator:
         self.require_hessian("hvp")
         return self.apply("hvp", self._seeds("hvp", seeds), **options).astype(self.dtype)
 
+    def curvature_vp(self, kind: str, seeds: Any, **options: Any) -> np.ndarray:
+        """``J^T M J v`` of a curvature product ``kind`` (its ``middles`` entry) for ``(k, n_wrt)`` seeds."""
+        if kind not in self.middles:
+            raise InvalidRequest(f"loss: kind {kind!r} needs a loss (and its labels) on of", field="loss")
+        return self.apply(kind, self._seeds(kind, seeds), **options).astype(self.dtype)
+
     def _seeds(self, kind: str, seeds: Any) -> np.ndarray:
         """Seeds checked (``matfree_rules.check_seeds``, finite) and flattened to ``(k, size)``."""
         arr = np.asarray(seeds)
@@ -172,10 +156,10 @@ class Operator:
 
     # -- chunks -------------------------------------------------------------------------------
 
-    def apply(self, kind: str, seeds: np.ndarray, *, chunk_size: int | None = None,
+    def apply(self, kind: str, seeds: np.ndarray, *, chunk_rows: int | None = None,
               should_stop: Callable[[], bool] | None = None,
               on_chunk: Callable[[int, np.ndarray], None] | None = None, keep: bool = True) -> np.ndarray:
-        """``kind`` products of flat ``seeds`` ``(k, size)``, ``chunk_size`` seeds per call (None: all at once;
+        """``kind`` products of flat ``seeds`` ``(k, size)``, ``chunk_rows`` seeds per call (None: all at once;
         halved on out-of-memory): ``(k, out size)`` in ``compute_dtype``. ``on_chunk(start, rows)`` hears of each
         chunk; ``should_stop()`` is asked before each and raises ``Stopped``. ``keep=False`` (a caller that
         streams the chunks away through ``on_chunk``) holds no products: the result is then empty."""
@@ -183,8 +167,8 @@ class Operator:
         total = len(seeds)
         if total == 0:
             return np.empty((0, self.n_of if kind_spec(kind).product_axes == "of" else self.n_wrt), self.compute_dtype)
-        planning = chunk_size is None and self.probe is not None and total > FIRST_SEEDS
-        step = max(1, min(chunk_size or self.planned.get(kind) or (FIRST_SEEDS if planning else total), total))
+        planning = chunk_rows is None and self.probe is not None and total > FIRST_SEEDS
+        step = max(1, min(chunk_rows or self.planned.get(kind) or (FIRST_SEEDS if planning else total), total))
         out = np.empty(0)
         start = 0
         while start < total:
@@ -209,7 +193,7 @@ class Operator:
                 out = np.empty((total,) + rows.shape[1:], rows.dtype)
             if keep:
                 out[start:start + n] = rows
-            self.counts[kind] += n
+            self.counts[kind] = self.counts.get(kind, 0) + n
             if on_chunk is not None:
                 on_chunk(start, rows)
             start += n
@@ -230,6 +214,10 @@ class Operator:
         return rows
 
     def _call(self, kind: str, seeds: np.ndarray) -> np.ndarray:
+        if kind in self.middles:   # J^T M J: a JVP, M on the host, a VJP
+            from worker.engine.curvature import sandwich
+
+            return sandwich(self, self.middles[kind], seeds)
         label = self.labels.get(kind)
         if label is None:
             return self._choose(kind, seeds)
@@ -391,7 +379,7 @@ def build_operator(model: LoadedModel, inputs: dict[str, Any], *, of: str | None
     return op
 
 
-def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None = None,
+def run_products(op: Operator, kind: str, seeds: Any, *, chunk_rows: int | None = None,
                  progress: Callable[[int, int | None], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
                  on_chunk: Callable[[int, np.ndarray], None] | None = None) -> MatFreeResult:
@@ -399,7 +387,8 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
     ``(k,) + wrt.shape`` otherwise (``WrtAxis.shape``). ``on_chunk(start, rows)`` gets each chunk's rows in that
     layout and dtype as they come (for storage), then ``progress(seeds done, k)`` is called."""
     if kind not in PRODUCT_KINDS:
-        raise InvalidRequest(f"kind: {kind!r} is not a product kind; use 'jvp', 'vjp' or 'hvp'", field="kind")
+        raise InvalidRequest(f"kind: {kind!r} is not a product kind; use one of {', '.join(PRODUCT_KINDS)}",
+                             field="kind")
     k = len(op._seeds(kind, seeds))   # checked here: progress needs k before the first chunk
     before = dict(op.counts)
     along_of = kind_spec(kind).product_axes == "of"
@@ -412,9 +401,11 @@ def run_products(op: Operator, kind: str, seeds: Any, *, chunk_size: int | None 
             progress(start + len(rows), k)
 
     streamed = on_chunk is not None   # the caller keeps the chunks: none are held here
-    product = getattr(op, kind)(seeds, chunk_size=chunk_size, should_stop=should_stop, on_chunk=chunk,
-                                keep=not streamed)
+    method = functools.partial(op.curvature_vp, kind) if kind_spec(kind).curvature else getattr(op, kind)
+    product = method(seeds, chunk_rows=chunk_rows, should_stop=should_stop, on_chunk=chunk, keep=not streamed)
     arrays = {} if streamed else {"products": product if along_of else op.axis.unflatten(product)}
-    return MatFreeResult(kind=kind, method=op.labels.get(kind, ""), arrays=arrays,
-                         products={n: op.counts[n] - before[n] for n in op.counts}, iterations=1,
+    how = op.labels.get(kind, "") if not kind_spec(kind).curvature else f"J^T M J: {op.labels.get('jvp')} JVPs, " \
+        f"{op.labels.get('vjp')} VJPs"
+    return MatFreeResult(kind=kind, method=how, arrays=arrays,
+                         products={n: op.counts[n] - before.get(n, 0) for n in op.counts}, iterations=1,
                          attrs={"seeds": k})

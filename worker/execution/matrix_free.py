@@ -1,7 +1,10 @@
-"""The matrix-free families: ``products`` (``jvp``, ``vjp``, ``hvp`` of given seeds, streamed into ``products``
-block by block, resumed and sharded by storage blocks of seeds) and ``spectral`` (``svd``, ``hessian_eig``,
-``hessian_trace``: a few values, computed whole). Both run on one memory-planned ``Operator``, kept per worker
-for the next job on the same request (``worker.execution.operators``)."""
+"""The matrix-free families: ``products`` (``jvp``, ``vjp``, ``hvp``, ``ggn_vp``, ``fisher_vp`` of given seeds,
+streamed into ``products`` block by block, resumed and sharded by storage blocks of seeds) and ``spectral`` (``svd``,
+``hessian_eig``, ``hessian_trace``, ``ggn_eig``, ``ggn_trace``, ``hessian_diag``, ``spectral_density``, ``logdet``,
+and the solves of ``ihvp``: computed whole). A
+``loss`` gives the operator its curvature products (``worker.engine.curvature``), ``labels`` taken from the inputs.
+Both run on one memory-planned ``Operator``, kept per worker for the next job on the same request
+(``worker.execution.operators``)."""
 
 from __future__ import annotations
 
@@ -24,10 +27,29 @@ def operator(ctx: RunContext, kind: str | None = None) -> tuple[Any, Any]:
 
     job = ctx.job
     inputs, seeds = ctx.inputs_and_seeds()
-    op = cached_operator(ctx.load_model(), inputs, cache_dir=ctx.cache_dir, of=job.of, wrt=job.wrt,
+    model = ctx.load_model()
+    labels = _labels(job, inputs, model)
+    op = cached_operator(model, inputs, cache_dir=ctx.cache_dir, of=job.of, wrt=job.wrt,
                          kind=kind or job.kind.value, reduce=job.reduce, output_dtype=job.output_dtype)
+    if job.loss is not None:   # the curvature products (ggn_vp, fisher_vp) of the loss, for whichever kind asks
+        from worker.engine.curvature import loss_curvature, middles
+
+        op.middles = middles(loss_curvature(op, job.loss, labels))
     op.plan_memory(ctx.probe, ctx.budget_bytes)
     return op, seeds
+
+
+def _labels(job: Any, inputs: dict[str, Any], model: Any) -> Any:
+    """The request's ``labels`` tensor (None without the field), taken out of ``inputs`` unless the signature
+    takes it too."""
+    if job.labels is None:
+        return None
+    if job.labels not in inputs:
+        from worker.engine.errors import InvalidRequest
+
+        raise InvalidRequest(f"labels: no input {job.labels!r} in this request; add the labels to inputs under "
+                             "that name", field="labels")
+    return inputs[job.labels] if job.labels in model.input_specs else inputs.pop(job.labels)
 
 
 def _manifest_fields(ctx: RunContext) -> dict[str, Any]:
@@ -69,7 +91,7 @@ class ProductsExecutor(Executor):
         op, seeds = operator(ctx)
         start, stop = job.rows or (0, 0)
         spent = compute_products_shard(op, job.kind.value, seeds, results_url=job.results_url, job_id=job.id,
-                                       rows=(start, stop), block_bytes=split.block_bytes, chunk_size=job.chunk_rows,
+                                       rows=(start, stop), block_bytes=split.block_bytes, chunk_rows=job.chunk_rows,
                                        on_progress=ctx.counter(), should_stop=ctx.should_stop)
         ctx.on_plan({"strategy": "matrix-free", "labels": dict(op.labels), "products": spent,
                      "oom_retries": op.oom_retries})
@@ -86,9 +108,9 @@ class SpectralExecutor(Executor):
     array = ""
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
-        op, _ = operator(ctx)
-        job = ctx.job
-        return _run_whole(ctx, op, rank=job.rank, tol=job.tol, samples=job.samples)
+        op, seeds = operator(ctx)
+        fields = {name: getattr(ctx.job, name) for name in ctx.spec.fields}   # rank, tol, samples, damping, ...
+        return _run_whole(ctx, op, seeds=seeds, **fields)
 
 
 def _run_whole(ctx: RunContext, op: Any, **kind_args: Any) -> dict[str, Any]:
@@ -98,7 +120,7 @@ def _run_whole(ctx: RunContext, op: Any, **kind_args: Any) -> dict[str, Any]:
     job = ctx.job
     ctx.on_plan({"kind": job.kind.value, "strategy": "matrix-free", "shards": 1})
     manifest = compute_matfree_to_storage(
-        op, job.kind.value, results_url=job.results_url, job_id=job.id, chunk_size=job.chunk_rows,
+        op, job.kind.value, results_url=job.results_url, job_id=job.id, chunk_rows=job.chunk_rows,
         on_progress=ctx.counter(), should_stop=ctx.should_stop, created_at=ctx.created_at,
         block_bytes=ctx.block_bytes, manifest_fields=_manifest_fields(ctx), **kind_args)
     manifest["plan"] = {**manifest["plan"], "strategy": "matrix-free", "shards": 1}

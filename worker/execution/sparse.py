@@ -178,6 +178,6 @@ def _previous_result(store: Any) -> Any:
             earlier = store.get(job_id)
         except JobNotFound:
             return None
-        return (earlier.result or {}).get("uri")
+        return earlier.result.uri if earlier.result is not None else None
 
     return previous

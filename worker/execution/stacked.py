@@ -135,7 +135,7 @@ class Stacked:
                     last[0] = time.monotonic()
                     ctx.on_progress(meter.snapshot())
 
-                op.apply(self.product, op._seeds(self.product, self.seeds(start, stop)), chunk_size=ctx.chunk_rows,
+                op.apply(self.product, op._seeds(self.product, self.seeds(start, stop)), chunk_rows=ctx.chunk_rows,
                          should_stop=ctx.should_stop, on_chunk=keep, keep=False)
             writer.close()
         except BaseException:

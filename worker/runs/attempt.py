@@ -13,6 +13,7 @@ import redis
 from contracts.graph_scan import ModelRefused
 from contracts.jobspec import JobStatus, QueuedJob
 from contracts.jobstore import JobStore
+from contracts.records import ErrorInfo, ResultInfo, dump
 from contracts.savedmodel import SavedModelError
 from contracts.settings import Settings
 from worker.engine.errors import EngineError, Stopped
@@ -77,9 +78,9 @@ def classify(err: BaseException, *, retries_left: bool) -> Outcome:
     return Outcome.BUG
 
 
-def error_info(err: BaseException) -> dict[str, str]:
+def error_info(err: BaseException) -> ErrorInfo:
     """The job's ``error``: the exception's type name and message."""
-    return {"type": type(err).__name__, "message": str(err)}
+    return ErrorInfo(type=type(err).__name__, message=str(err))
 
 
 class Attempt:
@@ -136,7 +137,7 @@ class Attempt:
     def on_stopped(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def on_failed(self, error: dict[str, str], *, delete: bool) -> dict[str, Any]:
+    def on_failed(self, error: ErrorInfo, *, delete: bool) -> dict[str, Any]:
         """Record the failure (``delete``: the partial result is worthless) and return the attempt's result."""
         raise NotImplementedError
 
@@ -179,15 +180,15 @@ class Attempt:
         log.info("job %s canceled", job.id)
         return {"id": job.id, "status": JobStatus.canceled.value}
 
-    def fail_job(self, error: dict[str, str], *, delete: bool) -> dict[str, Any]:
+    def fail_job(self, error: ErrorInfo, *, delete: bool) -> dict[str, Any]:
         """Mark the job ``failed`` with ``error``; ``delete`` removes its array and commit markers."""
         job = self.job
         if delete:
             remove_partial(job.results_url, job.id)
         if not self.store.transition(job.id, JobStatus.failed, error=error):
             return self._ended_meanwhile()
-        log.info("job %s failed: %s: %s", job.id, error["type"], error["message"])
-        return {"id": job.id, "status": JobStatus.failed.value, "error": error}
+        log.info("job %s failed: %s: %s", job.id, error.type, error.message)
+        return {"id": job.id, "status": JobStatus.failed.value, "error": dump(error)}
 
     def _ended_meanwhile(self) -> dict[str, Any]:
         """The job reached a terminal status elsewhere (another attempt, a cancel): it keeps that one."""
@@ -201,14 +202,14 @@ class Attempt:
             self.rq_job.retries_left = None
 
 
-def result_of(manifest: dict[str, Any]) -> dict[str, Any]:
+def result_of(manifest: dict[str, Any]) -> ResultInfo:
     """The job record's ``result`` from a manifest: ``uri``, ``shape``, ``dtype``; a sparse (COO) result adds
-    ``format`` and its ``dense_shape``."""
-    result = {"uri": manifest["uri"], "shape": manifest["shape"], "dtype": manifest["dtype"]}
+    ``format`` and its ``dense_shape``; a spectrum ``converged`` (and the ``warning`` of an unconverged one kept by
+    ``allow_unconverged``). Only the keys that apply are set (a dense result's record has none of the others)."""
+    given = {name: manifest[name] for name in ("converged", "warning") if manifest.get(name) is not None}
     if manifest.get("format") == "coo":
-        result["format"] = "coo"
-        result["dense_shape"] = manifest["dense_shape"]
-    return result
+        given.update(format="coo", dense_shape=manifest["dense_shape"])
+    return ResultInfo(uri=manifest["uri"], shape=manifest["shape"], dtype=manifest["dtype"], **given)
 
 
 def remove_partial(results_url: str, job_id: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from contracts.jobspec import JobStatus, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord
-from contracts.records import Progress
+from contracts.records import ErrorInfo, PlanInfo, Progress, dump
 from worker.execution import RunContext, executor_for
 from worker.runs.attempt import remove_partial, result_of
 from worker.runs.computing import ComputingAttempt
@@ -42,7 +42,7 @@ class Finalizer(ComputingAttempt):
         if record.status == JobStatus.failed:
             remove_partial(job.results_url, job.id)  # a shard failed the job (and counted it)
             self.metric_status = "cleanup"
-            return {"id": job.id, "status": JobStatus.failed.value, "error": record.error}
+            return {"id": job.id, "status": JobStatus.failed.value, "error": dump(record.error)}
         if record.status.is_terminal:
             self.skipped = True
             return {"id": job.id, "status": record.status.value}
@@ -51,7 +51,7 @@ class Finalizer(ComputingAttempt):
         try:
             return self._finish(record, split)
         except FileNotFoundError as err:
-            return self.on_failed({"type": "ResultMissing", "message": f"result: {err}; resubmit the job"},
+            return self.on_failed(ErrorInfo(type="ResultMissing", message=f"result: {err}; resubmit the job"),
                                   delete=True)
         except Exception as err:  # noqa: BLE001 - classified by settle(), which re-raises
             return self.settle(err)
@@ -67,7 +67,7 @@ class Finalizer(ComputingAttempt):
         shards = store.shard_progress(job.id)
         # The job's plan is the planner's (strategy, mode, shards); each shard's own run plan (chunk rows,
         # memory) is listed beside it, in shard order: no shard's plan stands for the others.
-        plan = {**record.plan, "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
+        plan = {**dump(record.plan), "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
         if executor.finish_loads_model:
             ctx = self.run_context(created_at=record.created_at, on_progress=lambda p: None, on_plan=lambda p: None,
                                    should_stop=lambda: store.should_stop(job.id))
@@ -80,13 +80,14 @@ class Finalizer(ComputingAttempt):
         rows_total = split.rows_total if split and split.rows_total else writer.layout.rows_total
         computed = sum(p.get("rows_computed", 0) for p in shards.values())
         wall_s = max(now - (record.started_at or now), 1e-9)
-        if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, finished_at=now, plan=plan,
+        if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, finished_at=now,
+                                plan=PlanInfo.model_validate(plan),
                                 progress=Progress.of(rows_total, rows_total, computed / wall_s)):
             return self._ended_meanwhile()
-        log.info("job %s succeeded (%s shards): %s", job.id, split.shards if split else "?", result["uri"])
-        return {"id": job.id, "status": JobStatus.succeeded.value, "result": result}
+        log.info("job %s succeeded (%s shards): %s", job.id, split.shards if split else "?", result.uri)
+        return {"id": job.id, "status": JobStatus.succeeded.value, "result": dump(result)}
 
-    def _incomplete(self, split: ShardPlan | None, missing: list[Any], blocks: int) -> dict[str, str]:
+    def _incomplete(self, split: ShardPlan | None, missing: list[Any], blocks: int) -> ErrorInfo:
         """The error of a job whose shards left blocks uncommitted, naming those shards and why."""
         from rq.job import Job
         from rq.serializers import JSONSerializer
@@ -110,12 +111,12 @@ class Finalizer(ComputingAttempt):
             parts.append(f"shard {i + 1} of {split.shards if split else '?'} (rows {start}:{stop}) did not finish "
                          f"({len(lost)} blocks missing; rq: {why})")
         message = "; ".join(parts) or f"{len(missing)} of {blocks} storage blocks are not committed"
-        return {"type": "ShardFailed", "message": f"{message}; the result is incomplete, resubmit the job"}
+        return ErrorInfo(type="ShardFailed", message=f"{message}; the result is incomplete, resubmit the job")
 
     # -- outcomes ---------------------------------------------------------------------------------
 
     def on_stopped(self) -> dict[str, Any]:
         return self.cancel_job()
 
-    def on_failed(self, error: dict[str, str], *, delete: bool) -> dict[str, Any]:
+    def on_failed(self, error: ErrorInfo, *, delete: bool) -> dict[str, Any]:
         return self.fail_job(error, delete=True)  # a sharded job's blocks are no use alone

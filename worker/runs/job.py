@@ -8,6 +8,7 @@ from typing import Any
 
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, merge_shard_progress
+from contracts.records import ErrorInfo, PlanInfo, dump
 from worker.execution import executor_for
 from worker.pipeline import at_least
 from worker.runs.attempt import result_of
@@ -57,9 +58,12 @@ class JobRun(ComputingAttempt):
         earlier = self._earlier_split()
         if earlier is not None:
             return earlier
-        reported = int((record.progress or {}).get("rows_done") or 0)  # by an earlier attempt
-        ctx = self.run_context(created_at=record.created_at,
-                               on_plan=lambda p: store.set_fields(job.id, plan={"shards": 1, **p}),
+        reported = record.progress.rows_done  # by an earlier attempt
+
+        def on_plan(engine_plan: dict[str, Any]) -> None:
+            store.set_fields(job.id, plan=PlanInfo.model_validate({"shards": 1, **engine_plan}))
+
+        ctx = self.run_context(created_at=record.created_at, on_plan=on_plan,
                                on_progress=lambda p: store.set_fields(job.id, progress=at_least(p, reported)),
                                should_stop=lambda: store.is_cancel_requested(job.id))
         executor = executor_for(job)
@@ -71,11 +75,11 @@ class JobRun(ComputingAttempt):
     def _succeed(self, manifest: dict[str, Any]) -> dict[str, Any]:
         job, store = self.job, self.store
         result = result_of(manifest)
-        final_plan = {**(manifest.get("plan") or {}), "shards": 1}
+        final_plan = PlanInfo.model_validate({**(manifest.get("plan") or {}), "shards": 1})
         if not store.transition(job.id, JobStatus.succeeded, result=result, error=None, plan=final_plan):
             return self._ended_meanwhile()
-        log.info("job %s succeeded: %s", job.id, result["uri"])
-        return {"id": job.id, "status": JobStatus.succeeded.value, "result": result}
+        log.info("job %s succeeded: %s", job.id, result.uri)
+        return {"id": job.id, "status": JobStatus.succeeded.value, "result": dump(result)}
 
     # -- splitting the job into shards (the executor's ShardHost) -----------------------------------
 
@@ -108,8 +112,8 @@ class JobRun(ComputingAttempt):
         job = self.job
         enqueue_shards(job, plan, queue=self._queue(), settings=self.settings, timeout_s=self.timeout_s)
         noted = {"sparsity": plan.sparsity} if plan.sparsity else {}
-        self.store.set_fields(job.id, plan={"shards": plan.shards, "strategy": plan.strategy, "mode": plan.mode,
-                                            **noted}, progress=merge_shard_progress(plan.to_json(), {}))
+        planned = PlanInfo(shards=plan.shards, strategy=plan.strategy, mode=plan.mode, **noted)
+        self.store.set_fields(job.id, plan=planned, progress=merge_shard_progress(plan.to_json(), {}))
         return {"id": job.id, "status": JobStatus.running.value, "shards": plan.shards}
 
     # -- outcomes ---------------------------------------------------------------------------------
@@ -117,11 +121,11 @@ class JobRun(ComputingAttempt):
     def on_stopped(self) -> dict[str, Any]:
         return self.cancel_job()
 
-    def on_failed(self, error: dict[str, str], *, delete: bool) -> dict[str, Any]:
+    def on_failed(self, error: ErrorInfo, *, delete: bool) -> dict[str, Any]:
         return self.fail_job(error, delete=delete)
 
     def on_retry(self, err: BaseException) -> None:
         log.warning("job %s: transient error, rq will retry: %s", self.job.id, err)
         self.store.transition(self.job.id, JobStatus.queued,
-                              error={"type": type(err).__name__, "message": str(err), "transient": True})
+                              error=ErrorInfo(type=type(err).__name__, message=str(err), transient=True))
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound
-from contracts.records import Progress
+from contracts.records import ErrorInfo, Progress, dump
 from worker.execution import executor_for
 from worker.pipeline import at_least
 from worker.runs.computing import ComputingAttempt
@@ -61,8 +61,7 @@ class ShardRun(ComputingAttempt):
             # rows computed by this attempt since the last report (the first report is the resume point)
             computed = 0 if last["rows_done"] is None else progress.rows_done - last["rows_done"]
             last["rows_done"] = progress.rows_done
-            store.update_shard_progress(job.id, index, at_least(progress, reported).model_dump(),
-                                        computed_rows=computed)
+            store.update_shard_progress(job.id, index, at_least(progress, reported), computed_rows=computed)
 
         ctx = self.run_context(on_plan=lambda p: store.set_shard_run_plan(job.id, index, p),
                                on_progress=on_progress, should_stop=lambda: store.should_stop(job.id))
@@ -75,17 +74,17 @@ class ShardRun(ComputingAttempt):
         self.metric_status = "stopped"
         return {"status": "stopped"}
 
-    def on_failed(self, error: dict[str, str], *, delete: bool) -> dict[str, Any]:
+    def on_failed(self, error: ErrorInfo, *, delete: bool) -> dict[str, Any]:
         """Fail the whole job (unless it already ended); the finalizer removes the partial result."""
         job = self.job
-        error = {"type": error["type"], "message": f"{self.what}: {error['message']}"}
+        error = ErrorInfo(type=error.type, message=f"{self.what}: {error.message}")
         if not self.store.transition(job.id, JobStatus.failed, error=error):
             self.metric_status = "stopped"
-            log.info("job %s: %s failed after the job ended: %s", job.id, self.what, error["message"])
+            log.info("job %s: %s failed after the job ended: %s", job.id, self.what, error.message)
         else:
             self.metric_status = JobStatus.failed.value
-            log.info("job %s failed: %s: %s", job.id, error["type"], error["message"])
-        return {"status": JobStatus.failed.value, "error": error}
+            log.info("job %s failed: %s: %s", job.id, error.type, error.message)
+        return {"status": JobStatus.failed.value, "error": dump(error)}
 
     def on_retry(self, err: BaseException) -> None:
         log.warning("job %s: %s: transient error, rq will retry this shard alone: %s", self.job.id, self.what, err)

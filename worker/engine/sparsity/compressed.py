@@ -76,7 +76,7 @@ def plan(pattern: Any, colouring: Colouring | None = None) -> SparsePlan:
     return sp_plan
 
 
-def compute(op: Any, colouring: Colouring, *, chunk_size: int | None = None,
+def compute(op: Any, colouring: Colouring, *, chunk_rows: int | None = None,
             should_stop: Callable[[], bool] | None = None,
             progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """The compressed products, one per colour: ``(colours, n_of)`` (forward: ``J s_c``) or ``(colours,
@@ -86,7 +86,7 @@ def compute(op: Any, colouring: Colouring, *, chunk_size: int | None = None,
             progress(start + len(products), colouring.count)
 
     kind = "jvp" if colouring.mode == "forward" else "vjp"
-    products = op.apply(kind, colouring.seeds(op.compute_dtype), chunk_size=chunk_size, should_stop=should_stop,
+    products = op.apply(kind, colouring.seeds(op.compute_dtype), chunk_rows=chunk_rows, should_stop=should_stop,
                         on_chunk=keep)
     return np.asarray(products).reshape(colouring.count, -1)
 

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -27,7 +27,17 @@ from worker.engine.sparsity.colouring import Colouring
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2   # of the cached files: bumped when detection changes what it finds
+FORMAT = 3   # of the cached files: bumped when detection changes what it finds
+
+
+class CachedPattern(NamedTuple):
+    """A detected pattern as cached: the pattern, ``of``'s shape, its colouring (or None) and the ops that got
+    the conservative rule (type -> one op's name)."""
+
+    pattern: Any
+    of_shape: tuple[int, ...]
+    colouring: Colouring | None
+    no_rule: dict[str, str]
 
 
 def from_entries(rows: Any, cols: Any, shape: tuple[int, int], *, field: str) -> Any:
@@ -90,9 +100,10 @@ class SharedBlobs(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
 
-def encode(pattern: Any, of_shape: tuple[int, ...], colouring: Colouring | None) -> bytes:
-    """A pattern (CSR indices), ``of``'s shape and the colouring as a compressed ``.npz``."""
-    extra: dict[str, Any] = {}
+def encode(pattern: Any, of_shape: tuple[int, ...], colouring: Colouring | None,
+           no_rule: dict[str, str] | None = None) -> bytes:
+    """A pattern (CSR indices), ``of``'s shape, the colouring and the ops without a rule as a compressed ``.npz``."""
+    extra: dict[str, Any] = {"no_rule": np.str_(json.dumps(no_rule or {}))}
     if colouring is not None:
         extra = {"colours": colouring.colours, "mode": np.str_(colouring.mode), "count": colouring.count}
     buf = io.BytesIO()
@@ -101,7 +112,7 @@ def encode(pattern: Any, of_shape: tuple[int, ...], colouring: Colouring | None)
     return buf.getvalue()
 
 
-def decode(raw: bytes) -> tuple[Any, tuple[int, ...], Colouring | None]:
+def decode(raw: bytes) -> CachedPattern:
     import scipy.sparse as sp
 
     with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
@@ -111,7 +122,8 @@ def decode(raw: bytes) -> tuple[Any, tuple[int, ...], Colouring | None]:
         colouring = None
         if "colours" in npz.files:
             colouring = Colouring(str(npz["mode"]), npz["colours"], int(npz["count"]))
-    return pattern, of_shape, colouring
+        no_rule = json.loads(str(npz["no_rule"])) if "no_rule" in npz.files else {}
+    return CachedPattern(pattern, of_shape, colouring, no_rule)
 
 
 class PatternCache:
@@ -122,9 +134,9 @@ class PatternCache:
         self.root = None if root is None else Path(root) / "sparsity"
         self.shared = shared
 
-    def get(self, key: str) -> tuple[Any, tuple[int, ...], Colouring | None] | None:
-        """``(pattern, of_shape, colouring or None)`` or None: the folder first, then the shared cache (whose
-        hit is kept in the folder)."""
+    def get(self, key: str) -> CachedPattern | None:
+        """The cached pattern or None: the folder first, then the shared cache (whose hit is kept in the
+        folder)."""
         raw = None
         if self.root is not None:
             try:
@@ -148,8 +160,9 @@ class PatternCache:
             self._write(key, raw)
         return hit
 
-    def put(self, key: str, pattern: Any, of_shape: tuple[int, ...], colouring: Colouring | None) -> None:
-        raw = encode(pattern, of_shape, colouring)
+    def put(self, key: str, pattern: Any, of_shape: tuple[int, ...], colouring: Colouring | None,
+            no_rule: dict[str, str] | None = None) -> None:
+        raw = encode(pattern, of_shape, colouring, no_rule)
         self._write(key, raw)
         if self.shared is not None and len(raw) <= SHARED_MAX_BYTES:
             try:

@@ -5,14 +5,19 @@ elements)`` saying which input elements each output element reads, and the outpu
 (OR of the rows read). Kinds of rules:
 
 - elementwise, with broadcasting (activations, arithmetic, ``BiasAdd``, ``Select``, ``Fill``, ...);
-- moves (reshape, transpose, slice, concat, pad, gather, tile, split, ...): the op itself is run on the
-  element ids (int64), so each output element names the input element it copies (0: none);
+- reshapes (``Reshape``, ``ExpandDims``, ``Squeeze``): the row-major order of the elements is kept, so is the
+  pattern;
+- moves (transpose, slice, strided slice, concat, pad, gather, gather_nd, tile, split, ...): the op itself is run
+  on the element ids (int64), so each output element names the input element it copies (0: none);
+- accumulations (segment reductions, ``ScatterNd``, ``TensorScatter*``, ``Cumsum``/``Cumprod``, ``Einsum``):
+  ``worker.engine.sparsity.accumulate``, from the op's attributes and its index inputs' values;
 - windows (``Conv2D``, ``DepthwiseConv2dNative``, ``MaxPool``, ``AvgPool``; strides, dilations, SAME /
   VALID / explicit padding, NHWC): ``ExtractImagePatches`` run on the ids gives each output's window;
 - ``MatMul``/``BatchMatMul*``: an output element reads a row of one operand and a column of the other;
 - reductions (``Sum``, ``Mean``, ``Max``, ...) and ``Softmax``/``LogSoftmax`` (over the last axis);
 - ``FusedBatchNorm*`` at inference: elementwise in ``x``;
-- anything else: ``conservative``, every output element reads every input element.
+- anything else: ``conservative``, every output element reads every input element; the op is noted
+  (``walk.note_no_rule``) so that the plan names the ops that made the pattern denser than it may be.
 
 Outputs of a non-float dtype carry no derivative: ``Opaque``.
 """
@@ -32,6 +37,7 @@ from worker.engine.sparsity.walk import (
     PatternUnknown,
     State,
     Val,
+    note_no_rule,
     run_op,
     substitutes,
 )
@@ -45,11 +51,11 @@ SquaredDifference StopGradient Sub Tan Tanh TruncateDiv Xdivy Xlog1py Xlogy
 """.split())
 
 MOVES = frozenset("""
-BatchToSpaceND Concat ConcatV2 DepthToSpace ExpandDims Gather GatherNd GatherV2 MirrorPad Pack Pad PadV2
-Reshape ReverseV2 Roll Slice SpaceToBatchND SpaceToDepth Split SplitV Squeeze StridedSlice Tile Transpose
-Unpack
+BatchToSpaceND Concat ConcatV2 DepthToSpace Gather GatherNd GatherV2 MirrorPad Pack Pad PadV2 ReverseV2 Roll
+Slice SpaceToBatchND SpaceToDepth Split SplitV StridedSlice Tile Transpose Unpack
 """.split())
 
+RESHAPES = frozenset(("Reshape", "ExpandDims", "Squeeze"))
 SHAPES = frozenset(("Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"))
 WINDOWS = frozenset(("Conv2D", "DepthwiseConv2dNative", "MaxPool", "AvgPool"))
 BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
@@ -76,8 +82,11 @@ def apply(op: Any, ins: list[State]) -> list[State]:
         return [Val(v) for v in outs]
     shapes = [tuple(np.shape(v)) for v in outs]
     floats = [t.dtype.is_floating or t.dtype.is_complex for t in op.outputs]
-    patterns = _patterns(op, ins, shapes)
+    patterns, ruled = _patterns(op, ins, shapes)
+    if not ruled and any(floats):
+        note_no_rule(op)
     if any(f and p is None for f, p in zip(floats, patterns)) and op.type not in BATCH_NORMS:
+        note_no_rule(op)
         fill = iter(conservative_patterns(ins, [sh for sh, f, p in zip(shapes, floats, patterns) if f and p is None]))
         patterns = [next(fill) if f and p is None else p for f, p in zip(floats, patterns)]
     for shape, p in zip(shapes, patterns):
@@ -88,27 +97,34 @@ def apply(op: Any, ins: list[State]) -> list[State]:
             for shape, p, f, t in zip(shapes, patterns, floats, op.outputs)]
 
 
-def _patterns(op: Any, ins: list[State], shapes: list[tuple[int, ...]]) -> list[Any]:
+def _patterns(op: Any, ins: list[State], shapes: list[tuple[int, ...]]) -> tuple[list[Any], bool]:
+    """The output patterns (None: no pattern for that output) and whether a rule gave them (else conservative)."""
+    from worker.engine.sparsity import accumulate
+
     kind = op.type
     try:
         if kind in ELEMENTWISE:
-            return [elementwise(op, ins, shapes[0])]
+            return [elementwise(op, ins, shapes[0])], True
+        if kind in RESHAPES and isinstance(ins[0], Dep) and math.prod(shapes[0]) == ins[0].size:
+            return [ins[0].pattern], True
         if kind in MOVES:
-            return moves(op, ins)
+            return moves(op, ins), True
+        if kind in accumulate.OPS:
+            return accumulate.patterns(op, ins, shapes), True
         if kind in WINDOWS and isinstance(ins[0], Dep) and not any(isinstance(s, Dep) for s in ins[1:]):
-            return [window(op, ins, shapes[0])]
+            return [window(op, ins, shapes[0])], True
         if kind in MATMULS:
-            return [matmul(op, ins, shapes[0])]
+            return [matmul(op, ins, shapes[0])], True
         if kind in REDUCTIONS and isinstance(ins[0], Dep) and isinstance(ins[1], Val):
-            return [reduction(op, ins[0], np.asarray(ins[1].value), shapes[0])]
+            return [reduction(op, ins[0], np.asarray(ins[1].value), shapes[0])], True
         if kind in ("Softmax", "LogSoftmax"):
-            return [last_axis(ins[0])]
+            return [last_axis(ins[0])], True
         if kind in BATCH_NORMS and not op.get_attr("is_training") and isinstance(ins[0], Dep) \
                 and not any(isinstance(s, Dep) for s in ins[1:]):
-            return [ins[0].pattern] + [None] * (len(shapes) - 1)
+            return [ins[0].pattern] + [None] * (len(shapes) - 1), True
     except _NoRule:
         pass
-    return conservative_patterns(ins, shapes)
+    return conservative_patterns(ins, shapes), False
 
 
 class _NoRule(Exception):
@@ -117,6 +133,7 @@ class _NoRule(Exception):
 
 def conservative(op: Any, ins: list[State]) -> list[State]:
     """Every output element depends on every ``wrt`` element an input does (outputs in static shapes)."""
+    note_no_rule(op)
     shapes = []
     for t in op.outputs:
         if t.shape.rank is None or not t.shape.is_fully_defined():

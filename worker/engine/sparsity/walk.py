@@ -10,13 +10,15 @@ Every tensor of the signature's graph (and of the functions it calls: Keras expo
 
 An op with a ``Dep`` input is given its output patterns by its rule (``worker.engine.sparsity.rules``); an op
 without a rule gets the conservative one (every output element depends on every ``wrt`` element any of its
-inputs depends on), so the pattern is never smaller than the true one. An op without ``Dep`` inputs is run
+inputs depends on), so the pattern is never smaller than the true one; ``detect`` names such ops (``no_rule``)
+so that a plan can say which op made the pattern denser than it may be. An op without ``Dep`` inputs is run
 eagerly on its inputs (``Val``) or zeros (``Opaque``, for its output shapes). The pattern does not depend
 on the values of ``wrt``: it is structural (``Val`` of the other inputs may steer gathers).
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 from dataclasses import dataclass
@@ -78,9 +80,31 @@ VALUE_SHAPED = frozenset(("Where", "Unique", "UniqueV2", "UniqueWithCounts", "Un
 CONTROL_FLOW = frozenset(("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"))
 
 
-def detect(model: Any, inputs: dict[str, Any], *, of: str, wrt: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+_NO_RULE: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("sparsity_no_rule", default=None)
+
+
+def note_no_rule(op: Any) -> None:
+    """Record that ``op`` (a ``wrt``-dependent op) got the conservative rule, in the running ``detect``'s
+    ``no_rule``: its type and the first such op's name."""
+    found = _NO_RULE.get()
+    if found is not None:
+        found.setdefault(op.type, op.name)
+
+
+def detect(model: Any, inputs: dict[str, Any], *, of: str, wrt: str, no_rule: dict[str, str] | None = None
+           ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
     """The pattern of ``d of / d wrt`` for these inputs: a boolean CSR ``(n_of, n_wrt)`` with ``of`` and
-    ``wrt`` flattened row-major, and their shapes. Raises ``PatternUnknown``."""
+    ``wrt`` flattened row-major, and their shapes. ``no_rule``, when given, is filled with the types of the ops
+    that got the conservative rule (each with the name of one such op). Raises ``PatternUnknown``."""
+    token = _NO_RULE.set({} if no_rule is None else no_rule)
+    try:
+        return _detect(model, inputs, of=of, wrt=wrt)
+    finally:
+        _NO_RULE.reset(token)
+
+
+def _detect(model: Any, inputs: dict[str, Any], *, of: str, wrt: str
+            ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
     import scipy.sparse as sp
     import tensorflow as tf
 
@@ -264,9 +288,12 @@ def run_op(op: Any, inputs: list[Any]) -> list[Any]:
         else:
             kwargs[name] = list(inputs[i:i + n])
             i += n
-    for attr in op_def.attr:
-        if attr.name not in inferred:
-            kwargs[attr.name] = op.get_attr(attr.name)
+    attrs = [attr.name for attr in op_def.attr if attr.name not in inferred]
+    # an attribute raw_ops renames (Squeeze's ``squeeze_dims`` is ``axis``) takes the parameter no input or
+    # attribute of the graph's op definition names, in order
+    renamed = iter(p for p in params if p not in kwargs and p not in attrs)
+    for attr in attrs:
+        kwargs[attr if attr in params else next(renamed, attr)] = op.get_attr(attr)
     result = raw(**kwargs)
     if isinstance(result, (list, tuple)):
         flat = list(tf.nest.flatten(result))

@@ -1,0 +1,41 @@
+"""The command line's spelling of the request rules' messages: a request field as its flag (``wrt: ...`` ->
+``--wrt: ...``) and the API's words for a fix as the flags that make it (``reduce='sum'`` -> ``--reduce sum``).
+``jacobian compute`` and ``jacobian submit`` print every refusal and failure through ``as_flag``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLAGS = ("wrt", "of", "rank", "tol", "samples", "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
+         "memory_budget_bytes", "chunk_rows", "inputs", "max_iterations", "allow_unconverged", "loss", "labels",
+         "damping", "curvature", "probes", "steps", "sigma")
+# the API's words for a fix inside a message, in the command line's
+SPELLINGS = (("reduce='sum'", "--reduce sum"),
+             ("(listed by GET /v1/models/signature)", "(--wrt variables/<name> with a name the model does not "
+              "have lists them all)"),
+             ("GET /v1/models/signature", "the model's signature"),
+             ("allow_unconverged: true", "--allow-unconverged"), ("max_iterations (", "--max-iterations ("),
+             ("loosen tol (", "loosen --tol ("), ("smaller rank (", "smaller --rank ("))
+
+
+def as_flag(message: str) -> str:
+    """A message that starts with a request field (``wrt: ...``) in the command line's spelling (``--wrt: ...``),
+    and the API's words for a fix as flags (``SPELLINGS``: ``reduce='sum'`` as ``--reduce sum``)."""
+    head, sep, rest = message.partition(":")
+    name = head.split(".")[0]
+    if sep and name in FLAGS:
+        flag = {"memory_budget_bytes": "memory-budget", "inputs": "input"}.get(name, name.replace("_", "-"))
+        message = f"--{flag}{head[len(name):]}:{rest}"
+    for api, cli in SPELLINGS:
+        message = message.replace(api, cli)
+    return message
+
+
+def cli_spelling(err: Any) -> str:
+    """A request refused by the rules (a ``pydantic.ValidationError``) in the command line's words."""
+    parts = []
+    for e in err.errors():
+        message = str(e.get("msg", "")).removeprefix("Value error, ")
+        field = ".".join(str(p) for p in e.get("loc", ()) if not isinstance(p, int))
+        parts.append(as_flag(message if ":" in message.split(" ")[0] or not field else f"{field}: {message}"))
+    return "; ".join(parts)
