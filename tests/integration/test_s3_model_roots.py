@@ -241,9 +241,9 @@ def test_model_changed_in_the_bucket_after_post_is_scanned_again(worker_api, red
     job_id = again.json()["id"]
     record = JobStore(redis_conn).get(job_id)
     assert record.status == JobStatus.failed, record
-    assert record.error["type"] == "ModelRefused", record.error
-    assert record.error["message"].startswith("model.path: the model uses op 'WriteFile'"), record.error
-    assert f"s3://{bucket}/models" in record.error["message"]
+    assert record.error.type == "ModelRefused", record.error
+    assert record.error.message.startswith("model.path: the model uses op 'WriteFile'"), record.error
+    assert f"s3://{bucket}/models" in record.error.message
     assert not (built.outside / "written.txt").exists()
     assert Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).retries_left == 2
 
