@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path, PurePath
 
 from app.errors import InvalidApiKey, InvalidRequest, ModelNotFound, ModelPathNotAllowed
+from contracts import storage
+from contracts.remote_models import bad_key, model_exists, remote_root_of, remote_roots
 from contracts.savedmodel import SAVED_MODEL_FILE
 
 NAME_MAX_BYTES = 255  # one path component (Linux, most file systems)
@@ -35,7 +37,7 @@ def check_path_text(path: str, *, field: str, local: bool = True) -> None:
                              f"({PATH_MAX_BYTES}); use a shorter path", field=field)
 
 
-def _roots_text(roots: Sequence[Path]) -> str:
+def _roots_text(roots: Sequence[Path | str]) -> str:
     return ", ".join(repr(str(r)) for r in roots) or "(none configured: set JACOBIAN_MODEL_ROOTS)"
 
 
@@ -43,25 +45,53 @@ def _under(path: Path, roots: Sequence[Path]) -> bool:
     return any(path == root or path.is_relative_to(root) for root in roots)
 
 
-def resolve_model_path(path: str, roots: Sequence[str], *, field: str = "model.path") -> Path:
-    """The real path of a model directory, guaranteed to lie under one of ``roots``.
+def resolve_model_path(path: str, roots: Sequence[str], *, field: str = "model.path") -> Path | str:
+    """The real path of a model directory (or ``.keras`` file), guaranteed to lie under one of ``roots``; for a
+    model under an S3 root (``s3://bucket/prefix`` in ``roots``), its ``s3://`` URL.
 
-    ``path`` is absolute, or relative to the roots (tried in order; the first that exists wins).
-    Symlinks are resolved before the check, so a link inside a root that points outside it is
-    refused like any other escape. Raises ``ModelPathNotAllowed`` for ``..`` components, absolute
-    paths outside the roots and symlink escapes, ``InvalidRequest`` for an empty path or one the file
-    system cannot take (``check_path_text``). Existence is not checked here (see ``require_saved_model``).
+    ``path`` is absolute (a local path, or an ``s3://`` URL under an S3 root), or relative to the roots: the local
+    roots are tried first, in order, then the S3 roots (where a model exists: its ``.keras`` object or its
+    ``saved_model.pb``); the first that exists wins. Symlinks are resolved before the check, so a link inside a
+    root that points outside it is refused like any other escape. Raises ``ModelPathNotAllowed`` for ``..``
+    components (and empty or ``.`` ones in a URL), paths outside the roots and symlink escapes, ``InvalidRequest``
+    for an empty path or one the file system cannot take (``check_path_text``), ``OSError`` when an S3 root cannot
+    be read. Existence is not checked here (see ``require_saved_model``), except with S3 roots, where a relative
+    path found in no root is ``ModelNotFound`` (naming every place looked at).
     """
     if not path:
         raise InvalidRequest(f"{field}: give the SavedModel directory as a non-empty path", field=field)
-    check_path_text(path, field=field)
-    real_roots = [Path(r).expanduser().resolve() for r in roots]
-    hint = f"give a path under one of the model roots: {_roots_text(real_roots)}"
+    remote = storage.is_remote(path)
+    check_path_text(path, field=field, local=not remote)
+    local_roots = [Path(r).expanduser().resolve() for r in roots if not storage.is_remote(r)]
+    s3_roots = remote_roots(roots)
+    hint = f"give a path under one of the model roots: {_roots_text([*local_roots, *s3_roots])}"
+    if remote:
+        if remote_root_of(path, roots) is None:
+            why = "has an empty, '.' or '..' component" if bad_key(path) else "is outside the model roots"
+            raise ModelPathNotAllowed(f"{field}: {path!r} {why}; {hint}", field=field)
+        return storage.normalize(path)
     pure = PurePath(path)
     if ".." in pure.parts:
         raise ModelPathNotAllowed(f"{field}: {path!r} contains '..', which is not allowed; {hint}", field=field)
-    if not real_roots:
+    if not local_roots and not s3_roots:
         raise ModelPathNotAllowed(f"{field}: no model roots are configured; set JACOBIAN_MODEL_ROOTS", field=field)
+    if pure.is_absolute() or not s3_roots:
+        return _resolve_local(path, local_roots, field=field, hint=hint)
+    local = _resolve_local(path, local_roots, field=field, hint=hint) if local_roots else None
+    if local is not None and _exists(local):
+        return local
+    urls = [storage.join(root, *pure.parts) for root in s3_roots]
+    found = next((url for url in urls if model_exists(url)), None)
+    if found is not None:
+        return found
+    looked = ", ".join(repr(str(c)) for c in ([local] if local is not None else []) + urls)
+    raise ModelNotFound(f"{field}: {path!r} is in none of the model roots (looked for {looked}); give the directory "
+                        "of a SavedModel (the one that holds saved_model.pb) or a .keras file under a model root",
+                        field=field)
+
+
+def _resolve_local(path: str, real_roots: Sequence[Path], *, field: str, hint: str) -> Path:
+    pure = PurePath(path)
     candidates = [Path(pure)] if pure.is_absolute() else [root / pure for root in real_roots]
     allowed: list[Path] = []
     escaped = False

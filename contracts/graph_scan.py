@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from contracts.graph_ops import TOP_LEVEL, GraphOps, parse_graph_ops
 from contracts.savedmodel import SAVED_MODEL_FILE, SavedModelError
+from contracts.storage import is_remote, is_under
 
 ALLOWLIST_FILE = Path(__file__).with_name("op_allowlist.txt")
 SAVER_FAMILY = "saver"
@@ -152,17 +153,21 @@ def refused_ops(graph: GraphOps, *, allowed: Allowlist | None = None,
 
 def extra_ops(model_dir: str | os.PathLike[str],
               op_allow: Mapping[str, list[str]]) -> tuple[frozenset[str], str | None]:
-    """The ops ``op_allow`` (``Settings.model_op_allow``: folder -> op names) allows for ``model_dir``: those of
-    every folder it lies in (paths resolved); and the innermost such folder, or None."""
-    resolved = Path(model_dir).expanduser().resolve()
+    """The ops ``op_allow`` (``Settings.model_op_allow``: folder or ``s3://`` prefix -> op names) allows for
+    ``model_dir`` (a path or an ``s3://`` URL): those of every folder it lies in (``storage.is_under``); and the
+    innermost such folder, or None."""
     ops: set[str] = set()
-    innermost: Path | None = None
+    innermost: str | None = None
     for folder, names in op_allow.items():
-        root = Path(folder).expanduser().resolve()
-        if resolved.is_relative_to(root):
+        if is_under(model_dir, folder):
             ops.update(names)
-            innermost = root if innermost is None or root.is_relative_to(innermost) else innermost
-    return frozenset(ops), None if innermost is None else str(innermost)
+            innermost = folder if innermost is None or is_under(folder, innermost) else innermost
+    return frozenset(ops), None if innermost is None else _shown(innermost)
+
+
+def _shown(folder: str) -> str:
+    """A folder as messages show it: a local one resolved, a URL without its trailing ``/``."""
+    return folder.rstrip("/") if is_remote(folder) else str(Path(folder).expanduser().resolve())
 
 
 @lru_cache(maxsize=64)
@@ -172,9 +177,11 @@ def _graph_cached(path: str, mtime_ns: int, size: int) -> GraphOps:
 
 
 def scan_saved_model(model_dir: str | os.PathLike[str], *, op_allow: Mapping[str, list[str]],
-                     roots: list[str] | None = None, field: str = "model.path") -> None:
+                     roots: list[str] | None = None, field: str = "model.path", origin: str | None = None) -> None:
     """Refuse the SavedModel in ``model_dir`` unless every op is allowed (cached per file mtime and size).
 
+    ``origin`` is where the model was named, when ``model_dir`` is a local copy of it (an ``s3://`` URL: the
+    worker's download, ``worker/model_download.py``): the operator's settings per root apply to it.
     Raises ``ModelRefused`` naming ``field``, the first refused op, its node and function, and the
     ``JACOBIAN_MODEL_OP_ALLOW`` setting that would allow it (for the model root of ``roots`` it lies
     in); ``SavedModelError`` when ``saved_model.pb`` is missing or cannot be decoded.
@@ -184,18 +191,24 @@ def scan_saved_model(model_dir: str | os.PathLike[str], *, op_allow: Mapping[str
         st = pb.stat()
         graph = _graph_cached(str(pb), st.st_mtime_ns, st.st_size)
     except OSError:
-        raise SavedModelError(f"no readable {SAVED_MODEL_FILE} in {str(model_dir)!r}") from None
+        raise SavedModelError(f"no readable {SAVED_MODEL_FILE} in {str(origin or model_dir)!r}") from None
     except (SavedModelError, UnicodeDecodeError) as exc:
         raise SavedModelError(f"{str(pb)!r} is not a readable SavedModel: {exc}") from None
-    extra, allowed_root = extra_ops(model_dir, op_allow)
+    check_graph(graph, origin or model_dir, op_allow=op_allow, roots=roots, field=field)
+
+
+def check_graph(graph: GraphOps, where: str | os.PathLike[str], *, op_allow: Mapping[str, list[str]],
+                roots: list[str] | None = None, field: str = "model.path") -> None:
+    """Refuse (``ModelRefused``) the parsed graph of the model at ``where`` (a path or an ``s3://`` URL, for the
+    operator's ``op_allow`` and the root a refusal names) unless every op is allowed."""
+    extra, allowed_root = extra_ops(where, op_allow)
     refusals = refused_ops(graph, extra=extra)
     if refusals:
-        raise ModelRefused(refusals, field=field, root=allowed_root or _root_of(model_dir, roots or []))
+        raise ModelRefused(refusals, field=field, root=allowed_root or _root_of(where, roots or []))
 
 
 def _root_of(model_dir: str | os.PathLike[str], roots: list[str]) -> str | None:
-    resolved = Path(model_dir).expanduser().resolve()
     for root in roots:
-        if resolved.is_relative_to(Path(root).expanduser().resolve()):
-            return str(Path(root).expanduser().resolve())
+        if is_under(model_dir, root):
+            return _shown(root)
     return None

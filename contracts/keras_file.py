@@ -21,16 +21,18 @@ import zipfile
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from contracts.graph_scan import ModelRefused
 from contracts.savedmodel import SavedModelError, SavedModelInfo, Shape, Signature, TensorSpec
+from contracts.storage import is_under
 
 KERAS_SUFFIX = ".keras"
 CONFIG_FILE = "config.json"
 SIGNATURE = "serving_default"
 CUSTOM_OBJECTS_SETTING = "JACOBIAN_KERAS_CUSTOM_OBJECTS"
 UNSAFE_SETTING = "JACOBIAN_KERAS_UNSAFE_ROOTS"
+READ_SETTING = "JACOBIAN_MAX_MODEL_READ_BYTES"
 SUBCLASSED_INPUT = "inputs"
 SUBCLASSED_OUTPUT = "output_0"
 _CODE_LAYERS = frozenset({"Lambda", "TFOpLambda"})
@@ -38,6 +40,10 @@ _CODE_LAYERS = frozenset({"Lambda", "TFOpLambda"})
 
 class KerasFileError(SavedModelError):
     """The ``.keras`` file is not a zip with a readable ``config.json``."""
+
+
+class KerasConfigTooLarge(KerasFileError):
+    """The ``.keras`` file's ``config.json`` is larger than the service reads (``JACOBIAN_MAX_MODEL_READ_BYTES``)."""
 
 
 class KerasRefused(ModelRefused):
@@ -59,13 +65,26 @@ def is_keras_file(path: str | os.PathLike[str]) -> bool:
 
 @lru_cache(maxsize=64)
 def _config_cached(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    return zip_config(path, path)
+
+
+def zip_config(file: str | BinaryIO, where: str, *, max_bytes: int | None = None) -> dict[str, Any]:
+    """``config.json`` of the ``.keras`` zip ``file`` (a path, or a seekable file: zip reads its directory at the
+    end, then the one member), named ``where`` in messages; raises ``KerasFileError``, ``KerasConfigTooLarge``
+    when the member is over ``max_bytes``."""
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(file) as zf:
+            declared = zf.getinfo(CONFIG_FILE).file_size
+            if max_bytes is not None and declared > max_bytes:
+                raise KerasConfigTooLarge(f"{where!r}: its {CONFIG_FILE} is {declared} bytes, more than the "
+                                          f"{max_bytes} this service reads ({READ_SETTING})")
             config = json.loads(zf.read(CONFIG_FILE))
     except (zipfile.BadZipFile, KeyError, ValueError, UnicodeDecodeError) as exc:
-        raise KerasFileError(f"{path!r} is not a readable .keras file (a zip holding {CONFIG_FILE}): {exc}") from None
+        if isinstance(exc, SavedModelError):   # over a size limit: says so itself
+            raise
+        raise KerasFileError(f"{where!r} is not a readable .keras file (a zip holding {CONFIG_FILE}): {exc}") from None
     if not isinstance(config, dict):
-        raise KerasFileError(f"{path!r}: {CONFIG_FILE} is not a JSON object")
+        raise KerasFileError(f"{where!r}: {CONFIG_FILE} is not a JSON object")
     return config
 
 
@@ -143,11 +162,15 @@ def signature_of(config: dict[str, Any]) -> Signature:
 def read_keras_file(path: str | os.PathLike[str]) -> SavedModelInfo:
     """The ``.keras`` file's one signature (``serving_default``); no variables (the worker names them).
     Raises ``KerasFileError`` for a file that is not a ``.keras`` zip or whose config has another form."""
-    config = read_config(path)
+    return keras_info(read_config(path), path)
+
+
+def keras_info(config: dict[str, Any], where: str | os.PathLike[str]) -> SavedModelInfo:
+    """``read_keras_file`` of a config already read (from the ``.keras`` file at ``where``, a path or a URL)."""
     try:
         signature = signature_of(config)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
-        raise KerasFileError(f"{str(path)!r} is not a readable .keras file: its {CONFIG_FILE} is not a Keras "
+        raise KerasFileError(f"{str(where)!r} is not a readable .keras file: its {CONFIG_FILE} is not a Keras "
                              f"model's config ({type(exc).__name__}: {exc})") from None
     return SavedModelInfo(signatures={SIGNATURE: signature})
 
@@ -175,18 +198,24 @@ def custom_classes(config: dict[str, Any]) -> list[str]:
 
 
 def under(path: str | os.PathLike[str], folders: list[str]) -> bool:
-    """Whether ``path`` lies in one of ``folders`` (paths resolved)."""
-    resolved = Path(path).expanduser().resolve()
-    return any(resolved.is_relative_to(Path(f).expanduser().resolve()) for f in folders)
+    """Whether ``path`` lies in one of ``folders`` (local paths resolved; ``s3://`` URLs by prefix)."""
+    return any(is_under(path, f) for f in folders)
 
 
 def scan_keras_file(path: str | os.PathLike[str], *, custom_objects: str | None, unsafe_roots: list[str],
-                    field: str = "model.path") -> None:
-    """Refuse (``KerasRefused`` naming ``field``) a ``Lambda`` layer unless ``path`` lies in one of
-    ``unsafe_roots``, and a class outside Keras when no ``custom_objects`` module is configured; raises
-    ``KerasFileError`` for a file that is not a readable ``.keras`` file."""
-    config = read_config(path)
-    if not under(path, unsafe_roots):
+                    field: str = "model.path", origin: str | None = None) -> None:
+    """Refuse (``KerasRefused`` naming ``field``) a ``Lambda`` layer unless ``path`` (or ``origin``, where the
+    model was named when ``path`` is a local copy of it: an ``s3://`` URL) lies in one of ``unsafe_roots``, and
+    a class outside Keras when no ``custom_objects`` module is configured; raises ``KerasFileError`` for a file
+    that is not a readable ``.keras`` file."""
+    scan_keras_config(read_config(path), origin or path, custom_objects=custom_objects, unsafe_roots=unsafe_roots,
+                      field=field)
+
+
+def scan_keras_config(config: dict[str, Any], where: str | os.PathLike[str], *, custom_objects: str | None,
+                      unsafe_roots: list[str], field: str = "model.path") -> None:
+    """``scan_keras_file`` of a config already read (from the ``.keras`` file at ``where``, a path or a URL)."""
+    if not under(where, unsafe_roots):
         for obj in _objects(config):
             if obj["class_name"] in _CODE_LAYERS:
                 name = (obj.get("config") or {}).get("name") if isinstance(obj.get("config"), dict) else None

@@ -76,25 +76,46 @@ def default_cache_dir() -> Path:
     return Path(base) / "jacobian"
 
 
+FINGERPRINT_FILES = ("saved_model.pb", "variables/variables.index")   # what a SavedModel's fingerprint hashes
+
+
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
     """SHA-256 of ``saved_model.pb`` and ``variables/variables.index`` (hex, 32 characters); of a ``.keras``
-    file, SHA-256 of the file.
+    file, SHA-256 of the file. A model under an S3 root (an ``s3://`` URL): the same, from the bucket
+    (``contracts.remote_models.remote_fingerprint``; ``""`` when an object is over
+    ``JACOBIAN_MAX_MODEL_READ_BYTES``: no plan is found for it).
 
     A re-exported model (new graph or new weights) has another fingerprint, so its plans are misses.
     """
+    if str(path).startswith(("s3://", "s3a://")):
+        from contracts.remote_models import remote_fingerprint
+        from contracts.settings import get_settings
+
+        return remote_fingerprint(str(path), max_bytes=get_settings().max_model_read_bytes)
     root = Path(path)
     if root.is_file():
         st = root.stat()
-        return hashlib.sha256(f"keras:{_file_sha256(str(root), st.st_mtime_ns, st.st_size)}".encode()).hexdigest()[:32]
-    parts = []
-    for rel in ("saved_model.pb", "variables/variables.index"):
+        return keras_fingerprint(_file_sha256(str(root), st.st_mtime_ns, st.st_size))
+    hashes: dict[str, str | None] = {}
+    for rel in FINGERPRINT_FILES:
         f = root / rel
         try:
             st = f.stat()
         except OSError:
-            parts.append(f"{rel}:absent")
+            hashes[rel] = None
             continue
-        parts.append(f"{rel}:{_file_sha256(str(f), st.st_mtime_ns, st.st_size)}")
+        hashes[rel] = _file_sha256(str(f), st.st_mtime_ns, st.st_size)
+    return saved_model_fingerprint(hashes)
+
+
+def keras_fingerprint(file_sha256: str) -> str:
+    """A ``.keras`` file's fingerprint from the SHA-256 (hex) of its bytes."""
+    return hashlib.sha256(f"keras:{file_sha256}".encode()).hexdigest()[:32]
+
+
+def saved_model_fingerprint(hashes: Mapping[str, str | None]) -> str:
+    """A SavedModel's fingerprint from the SHA-256 (hex) of each of ``FINGERPRINT_FILES`` (None: absent)."""
+    parts = [f"{rel}:{hashes.get(rel) or 'absent'}" for rel in FINGERPRINT_FILES]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 

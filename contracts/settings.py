@@ -25,7 +25,9 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     results_url: str = str(_DEFAULT_HOME / "results")
-    model_roots: Annotated[list[str], NoDecode] = Field(default_factory=lambda: [str(_DEFAULT_HOME / "models")])
+    model_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [str(_DEFAULT_HOME / "models")], description="folders and s3://bucket/prefix "
+        "entries under which model paths are allowed (comma-separated)")
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     memory_budget_bytes: int | None = None
     queue_name: str = "jacobian"
@@ -56,16 +58,22 @@ class Settings(BaseSettings):
     shard_min_seconds: float = Field(10.0, ge=0, description="least estimated compute per shard when a job is "
                                      "split automatically")
     model_cache_size: int = 4
+    max_model_read_bytes: int = Field(256 * 1024 * 1024, ge=1, description="the most the API reads of a model "
+                                      "under an S3 root to check it: its saved_model.pb, or a .keras file's "
+                                      "config.json (422 above)")
+    model_download_cache_bytes: int = Field(20 * 1024 ** 3, ge=1, description="size bound of a worker's local "
+                                            "copies of models under S3 roots (JACOBIAN_CACHE_DIR/models): the "
+                                            "least recently used are removed beyond it; a larger model is refused")
     model_op_allow: dict[str, list[str]] = Field(
         default_factory=dict, description="graph ops allowed beyond contracts/op_allowlist.txt, per model root "
-        "(or any folder: a model gets the ops of every folder it lies in), as JSON: "
+        "(or any folder or s3:// prefix: a model gets the ops of every one it lies in), as JSON: "
         "'{\"/srv/models/legacy\": [\"PyFunc\"]}'; see docs/MODEL_SAFETY.md")
     keras_custom_objects: str | None = Field(None, description="an importable module whose CUSTOM_OBJECTS dict "
                                              "(or whose classes registered with keras.saving."
                                              "register_keras_serializable) .keras models may use")
     keras_unsafe_roots: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="folders whose .keras files load with safe_mode=False (Lambda "
-        "layers allowed: they run arbitrary Python code); see docs/MODEL_SAFETY.md")
+        default_factory=list, description="folders (or s3:// prefixes) whose .keras files load with "
+        "safe_mode=False (Lambda layers allowed: they run arbitrary Python code); see docs/MODEL_SAFETY.md")
     try_xla: bool = Field(True, description="let strategy trials try XLA variants")
     cache_dir: str | None = Field(None, description="folder for plans (default ~/.cache/jacobian); workers "
                                   "share plans through Redis and keep them here too")

@@ -40,6 +40,18 @@ def join(url: str, *parts: str) -> str:
     return out
 
 
+def is_under(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is ``folder`` or lies in it: two ``s3://`` URLs by their ``bucket/key`` (``s3a://`` is the
+    same), two local paths resolved (symbolic links followed); a URL and a local path never."""
+    path, folder = str(path), str(folder)
+    if is_remote(path) or is_remote(folder):
+        if not (is_remote(path) and is_remote(folder)):
+            return False
+        inner, outer = _s3_path(path), _s3_path(folder)
+        return inner == outer or inner.startswith(f"{outer}/")
+    return _local_path(path).is_relative_to(_local_path(folder))
+
+
 def _local_path(url: str) -> Path:
     return Path(url.removeprefix("file://")).expanduser().resolve()
 

@@ -45,10 +45,17 @@ def load_inputs(uri: str, *, settings: Settings, field: str = "inputs_uri") -> d
 
 
 def check_model_path(path: str, roots: list[str]) -> str:
-    """``path`` resolved; raises ``ModelPathNotAllowed`` unless it lies under one of ``roots``."""
-    resolved = Path(path).expanduser().resolve()
-    for root in roots:
-        if resolved.is_relative_to(Path(root).expanduser().resolve()):
-            return str(resolved)
+    """``path`` resolved (an ``s3://`` URL: as it is); raises ``ModelPathNotAllowed`` unless it lies under one of
+    ``roots`` (a URL: under an S3 root, ``contracts.remote_models.remote_root_of``)."""
+    if storage.is_remote(path):
+        from contracts.remote_models import remote_root_of
+
+        if remote_root_of(path, roots) is not None:
+            return storage.normalize(path)
+    else:
+        resolved = Path(path).expanduser().resolve()
+        for root in roots:
+            if not storage.is_remote(root) and resolved.is_relative_to(Path(root).expanduser().resolve()):
+                return str(resolved)
     raise ModelPathNotAllowed(f"model.path: {path!r} is outside the allowed model roots; "
                               f"put the model under one of: {', '.join(roots) or '(none configured)'}")

@@ -60,7 +60,14 @@ OOM_RETRIES = Counter("jacobian_oom_retries", "Chunks that ran out of accelerato
                       "the rows.", registry=REGISTRY)
 FREE_BYTES = Gauge("jacobian_accelerator_free_bytes", "Accelerator memory free to this worker (host memory on a "
                    "CPU worker) when it last planned a job, in bytes.", registry=REGISTRY)
+MODEL_DOWNLOADS = Counter("jacobian_model_downloads", "Models under S3 model roots that jobs loaded, by whether this "
+                          "worker downloaded them (downloaded) or found their current bytes in its local cache "
+                          "(cached).", ["result"], registry=REGISTRY)
+MODEL_DOWNLOAD_BYTES = Counter("jacobian_model_download_bytes", "Bytes of models downloaded from S3 model roots.",
+                               registry=REGISTRY)
 
+for _result in ("downloaded", "cached"):
+    MODEL_DOWNLOADS.labels(_result)
 for _kind in KINDS:  # every counter series exists from the start, so rate() and increase() see the first job
     for _status in FINISHED_STATUSES:
         JOBS_FINISHED.labels(_kind, _status)

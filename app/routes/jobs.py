@@ -64,7 +64,8 @@ _SUBMIT_OPENAPI: dict[str, Any] = {
              responses={200: {"model": Quote, "description": "dry_run=true: the quote; nothing queued or written"},
                         400: {"description": "malformed body"}, 403: {"description": "model path not allowed"},
                         408: {"description": "the body stalled"}, 413: {"description": "body or inputs too large"},
-                        415: {"description": "unsupported Content-Type"}, 422: {"description": "invalid request"}})
+                        415: {"description": "unsupported Content-Type"}, 422: {"description": "invalid request"},
+                        503: {"description": "Redis, or the S3 model root the model lies under, unreachable"}})
 async def create_job(
     request: Request, settings: SettingsDep, store: StoreDep, queue: QueueDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,

@@ -61,8 +61,9 @@ def _names(struct: Any, fallback: list[str]) -> list[str]:
     return list(fallback)
 
 
-def load_keras_model(path: str, signature: str = SIGNATURE) -> LoadedModel:
-    """Load the ``.keras`` file at ``path`` (``safe_mode=True`` unless it lies in ``JACOBIAN_KERAS_UNSAFE_ROOTS``).
+def load_keras_model(path: str, signature: str = SIGNATURE, *, origin: str | None = None) -> LoadedModel:
+    """Load the ``.keras`` file at ``path`` (``safe_mode=True`` unless it, or ``origin``, the URL it is a local copy
+    of, lies in ``JACOBIAN_KERAS_UNSAFE_ROOTS``).
 
     Raises ``InvalidRequest`` naming ``model.path`` for a file Keras cannot load or a class that is not known
     (naming it and ``JACOBIAN_KERAS_CUSTOM_OBJECTS``), naming ``model.signature`` for another signature name."""
@@ -78,7 +79,7 @@ def load_keras_model(path: str, signature: str = SIGNATURE) -> LoadedModel:
     config = read_config(path)
     objects = custom_objects(settings.keras_custom_objects)
     _check_classes(config, objects, settings.keras_custom_objects)
-    safe = not under(path, settings.keras_unsafe_roots)
+    safe = not under(origin or path, settings.keras_unsafe_roots)
     try:
         model = keras.saving.load_model(path, safe_mode=safe, custom_objects=objects, compile=False)
     except Exception as err:  # noqa: BLE001 - whatever Keras raises, the file is what the caller must fix

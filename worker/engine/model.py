@@ -93,8 +93,9 @@ class LoadedModel:
         return full, self.variables[full]
 
 
-def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
-    """Load ``signature`` of the SavedModel at ``path`` (raises InvalidRequest naming the field).
+def load_model(path: str, signature: str = "serving_default", *, origin: str | None = None) -> LoadedModel:
+    """Load ``signature`` of the SavedModel at ``path`` (raises InvalidRequest naming the field); ``origin``: where
+    the model was named when ``path`` is a local copy of it (a ``.keras`` file's safe mode is that root's).
 
     GPUs get memory growth and TensorFloat-32 off first (``worker.engine.devices.prepare_gpus``; raises
     GPUMemoryReserved when TensorFlow already holds the whole GPU)."""
@@ -108,7 +109,7 @@ def load_model(path: str, signature: str = "serving_default") -> LoadedModel:
     if str(path).endswith(".keras") and Path(path).is_file():
         from worker.engine.keras_model import load_keras_model
 
-        return load_keras_model(str(path), signature)
+        return load_keras_model(str(path), signature, origin=origin)
     try:
         loaded = tf.saved_model.load(str(path))
     except (OSError, ValueError, tf.errors.OpError) as err:

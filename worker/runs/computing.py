@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from worker import metrics
 from worker.execution import RunContext
-from worker.inputs import check_model_path, effective_budget, load_inputs
+from worker.inputs import effective_budget, load_inputs
 from worker.runs.attempt import Attempt
 
 if TYPE_CHECKING:
@@ -34,9 +34,9 @@ class ComputingAttempt(Attempt):
             return dict(loaded["inputs"])
 
         def model() -> Any:
-            from worker.model_cache import get_model
+            from worker.model_cache import get_job_model
 
-            return get_model(check_model_path(job.model.path, settings.model_roots), job.model.signature)
+            return get_job_model(job.model.path, job.model.signature, settings)
 
         def stop() -> bool:  # between chunks: the job's wall-clock limit (raises JobTimeout), then cancel
             self.check_time()
