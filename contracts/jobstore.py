@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from redis import Redis
 
 from contracts.jobspec import ALLOWED_MOVES, JobStatus
+from contracts.outbox import notify_block
 from contracts.records import JobPublic, PlanInfo, Progress, dump, iso_time
 
 
@@ -45,6 +46,7 @@ class JobRecord:
     error: dict[str, Any] | None = None
     cancel_requested: bool = False
     deaths: list[str] = field(default_factory=list)  # how each worker that died running it died, oldest first
+    notify: dict[str, Any] | None = None  # webhooks: contracts.webhooks.NotifyStatus, None without notify
 
     def public(self) -> JobPublic:
         """The ``GET /v1/jobs/{id}`` body; raises ``CorruptRecord`` when the stored fields do not fit it."""
@@ -54,6 +56,7 @@ class JobRecord:
                 "result": self.result, "error": self.error, "created_at": _iso(self.created_at),
                 "started_at": _iso(self.started_at), "finished_at": _iso(self.finished_at),
                 "kind": self.spec.get("kind"), "model": self.spec.get("model"),
+                **({"notify": self.notify} if self.notify is not None else {}),
             })
         except ValidationError as err:
             raise CorruptRecord(f"job {self.id}: the stored record is not a JobPublic: {err}") from err
@@ -373,11 +376,13 @@ class JobStore:
         def j(name: str, default: Any) -> Any:
             return json.loads(d[name]) if d.get(name) else default
 
+        spec = j("spec", {})
         return JobRecord(
-            id=job_id, status=JobStatus(d.get("status", "queued")), spec=j("spec", {}),
+            id=job_id, status=JobStatus(d.get("status", "queued")), spec=spec,
             created_at=f("created_at") or 0.0, started_at=f("started_at"), finished_at=f("finished_at"),
             progress=j("progress", {}), plan=j("plan", {}), result=j("result", None), error=j("error", None),
             cancel_requested=d.get("cancel_requested") == "1", deaths=j("deaths", []),
+            notify=notify_block(spec, d),
         )
 
 
