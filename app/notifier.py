@@ -97,29 +97,39 @@ class Notifier:
         queued = 0
         for job_id in self.outbox.due_jobs(now, next_at=now + self.settings.notifier_poll_s, limit=WATCH_BATCH):
             try:
-                record = self.store.get(job_id)
-            except JobNotFound:
-                self.outbox.unwatch(job_id)
-                continue
-            notify = record.spec.get("notify")
-            if not notify:
-                self.outbox.unwatch(job_id)
-                continue
-            raw_seen = self.outbox.seen(job_id)
-            due = due_event(record, json.loads(raw_seen) if raw_seen else {}, set(notify.get("events") or ()),
-                            now=now, progress_s=self.settings.webhook_progress_s)
-            if due is None:
-                continue
-            event, new_seen, terminal = due
-            delivery = self._delivery(record, notify["url"], event, now) if event else None
-            done = self.outbox.emit(job_id, expected_seen=raw_seen, new_seen=json.dumps(new_seen), delivery=delivery,
-                                    terminal=terminal, now=now,
-                                    ttl_s=int(self.settings.webhook_retry_window_s + KEEP_AFTER_WINDOW_S))
-            if done == 1 and delivery is not None:
-                queued += 1
-                log.info("job %s: webhook %s queued as %s", job_id, event, delivery["id"],
-                         extra={"event": "webhook_queued", "job_id": job_id})
+                queued += self._scan_job(job_id, now)
+            except RedisError:
+                raise
+            except Exception:  # noqa: BLE001 - one bad record must not stop the others' webhooks
+                log.exception("job %s: webhook events not read; trying again at the next scan", job_id)
         return queued
+
+    def _scan_job(self, job_id: str, now: float) -> int:
+        """Emit what is due for one watched job; 1 when a delivery was queued."""
+        try:
+            record = self.store.get(job_id)
+        except JobNotFound:
+            self.outbox.unwatch(job_id)
+            return 0
+        notify = record.spec.get("notify")
+        if not notify:
+            self.outbox.unwatch(job_id)
+            return 0
+        raw_seen = self.outbox.seen(job_id)
+        due = due_event(record, json.loads(raw_seen) if raw_seen else {}, set(notify.get("events") or ()),
+                        now=now, progress_s=self.settings.webhook_progress_s)
+        if due is None:
+            return 0
+        event, new_seen, terminal = due
+        delivery = self._delivery(record, notify["url"], event, now) if event else None
+        done = self.outbox.emit(job_id, expected_seen=raw_seen, new_seen=json.dumps(new_seen), delivery=delivery,
+                                terminal=terminal, now=now,
+                                ttl_s=int(self.settings.webhook_retry_window_s + KEEP_AFTER_WINDOW_S))
+        if done != 1 or delivery is None:
+            return 0
+        log.info("job %s: webhook %s queued as %s", job_id, event, delivery["id"],
+                 extra={"event": "webhook_queued", "job_id": job_id})
+        return 1
 
     def _delivery(self, record: JobRecord, url: str, event: str, now: float) -> dict[str, Any]:
         earlier = ((record.notify or {}).get("deliveries") or {}).get(event) or {}
@@ -226,6 +236,10 @@ class Notifier:
                 busy = self.scan() + self.dispatch()
             except RedisError as exc:
                 log.warning("notifier: Redis unavailable (%s); retrying in 1 s", exc)
+                stop.wait(1.0)
+                continue
+            except Exception:  # noqa: BLE001 - a bug logged, not a notifier gone: deliveries wait in Redis
+                log.exception("notifier: loop failed; going on in 1 s")
                 stop.wait(1.0)
                 continue
             stop.wait(0.01 if busy else self.settings.notifier_poll_s)

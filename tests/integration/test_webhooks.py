@@ -182,6 +182,23 @@ def test_a_canceled_queued_job_is_told_once(api, redis_conn, receiver):
     assert call.type == "job.canceled" and call.json["data"]["error"]["type"] == "Canceled"
 
 
+def test_notify_with_an_npz_body_is_the_query_parameter(api, redis_conn, receiver):
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.savez(buf, x=np.ones((2, 8), np.float32))
+    notify = {"url": receiver.url, "events": ["canceled"]}
+    r = api.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"},
+                 params={"model_path": "mlp", "notify": json.dumps(notify)})
+    assert r.status_code == 202, r.text
+    assert api.get(f"/v1/jobs/{r.json()['id']}").json()["notify"] == {**notify, "deliveries": {}}
+    r = api.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"},
+                 params={"model_path": "mlp", "notify": "https://x"})
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith("notify: 'https://x' is not a JSON object")
+
+
 def test_a_key_signs_its_own_jobs_webhooks(hooks_env, monkeypatch, redis_conn, receiver):
     keys = [{"key": "k-signed", "name": "team-a", "webhook_secret": KEY_SECRET}, {"key": "k-plain"}]
     monkeypatch.setenv("JACOBIAN_API_KEYS", json.dumps(keys))
