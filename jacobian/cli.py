@@ -210,6 +210,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         procs.append(("worker", subprocess.Popen(cli + ["worker", "--supervise"], env=env)))
         procs.append(("notifier", subprocess.Popen(cli + ["notifier"], env=env)))
         print(f"api     {api_url}  (docs {api_url}/docs, jobs {api_url}/v1/jobs, ui {api_url}/ui)", flush=True)
+        allow = env.get("JACOBIAN_WEBHOOK_ALLOW") or "off (set JACOBIAN_WEBHOOK_ALLOW)"
+        print(f"webhooks {allow} (jacobian notifier)", flush=True)
         print(f"results {env['JACOBIAN_RESULTS_URL']}", flush=True)
         print(f"models  {env['JACOBIAN_MODEL_ROOTS']}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
