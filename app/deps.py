@@ -14,7 +14,7 @@ from app.errors import NotReady
 from app.security import check_api_key
 from contracts.jobspec import JOB_ID_PATTERN, is_job_id
 from contracts.jobstore import JobNotFound, JobStore
-from contracts.settings import Settings, get_settings
+from contracts.settings import ApiKey, Settings, get_settings
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
@@ -62,9 +62,14 @@ _bearer = HTTPBearer(auto_error=False, description="An API key of JACOBIAN_API_K
 
 
 def require_api_key(request: Request, settings: SettingsDep,
-                    _docs: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)] = None) -> None:
-    """401 unless ``Authorization: Bearer <key>`` names a key of ``JACOBIAN_API_KEYS`` (none set: open).
+                    _docs: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)] = None) -> ApiKey | None:
+    """401 unless ``Authorization: Bearer <key>`` names a key of ``JACOBIAN_API_KEYS`` (none set: open);
+    the key's settings (None when no keys are set).
 
     ``_docs`` only declares the bearer scheme in the OpenAPI document; the raw header is checked.
     """
-    check_api_key(request.headers.get("authorization"), settings.api_keys)
+    matched = check_api_key(request.headers.get("authorization"), settings.api_key_values)
+    return next((k for k in settings.api_keys if k.key == matched), None) if matched is not None else None
+
+
+ApiKeyDep = Annotated[ApiKey | None, Depends(require_api_key)]

@@ -38,7 +38,8 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-_ERROR_DESCRIPTIONS = {400: "malformed request", 401: "missing or wrong API key", 403: "model path not allowed",
+_ERROR_DESCRIPTIONS = {400: "malformed request", 401: "missing or wrong API key",
+                       403: "model path or webhook not allowed",
                        404: "unknown job or model", 408: "the request body stalled", 409: "the job has not succeeded",
                        413: "too large",
                        416: "rows outside the result", 422: "invalid request", 503: "not ready"}
@@ -83,6 +84,10 @@ class IdempotencyKeyReused(InvalidRequest):
 
 class ModelPathNotAllowed(ApiError):
     """The model path resolves outside every allowed model root."""
+
+
+class WebhookNotAllowed(ApiError):
+    """``notify`` names a URL the webhook allowlist refuses, or no secret could sign its deliveries."""
 
 
 class ModelNotFound(ApiError):
@@ -131,6 +136,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (MalformedBody, 400),
     (InvalidApiKey, 401),
     (ModelPathNotAllowed, 403),
+    (WebhookNotAllowed, 403),
     (JobNotFound, 404),
     (BodyTimeout, 408),
     (JobNotFinished, 409),

@@ -105,6 +105,12 @@ def parse_npz_query(params: Mapping[str, str]) -> tuple[JobOptions, ModelRef]:
         opts["wrt"] = [name.strip() for name in opts["wrt"].split(",")]
     if isinstance(opts.get("sparsity"), str):
         opts["sparsity"] = sparsity_from_query(opts["sparsity"])
+    if isinstance(opts.get("notify"), str):
+        try:
+            opts["notify"] = json.loads(opts["notify"])
+        except ValueError:
+            raise InvalidRequest(f"notify: {opts['notify'][:80]!r} is not a JSON object; give "
+                                 'notify={"url": "https://...", "events": ["succeeded"]}', field="notify") from None
     return RequestedOptions.model_validate(opts), model
 
 

@@ -13,7 +13,7 @@ from redis import ConnectionPool, Redis
 
 from app.errors import install_error_handler
 from app.events import StreamSlots
-from app.metrics import QUEUE_DEPTH, MetricsMiddleware
+from app.metrics import QUEUE_DEPTH, WEBHOOKS, MetricsMiddleware
 from app.routes import health, jobs, models, preview, ui
 from contracts.jobspec import JobCreate, is_job_id
 from contracts.logs import configure_logging, job_context
@@ -62,10 +62,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                    socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=30)
     app.state.redis = Redis(connection_pool=pool)
     QUEUE_DEPTH.bind(app.state.redis, [settings.queue_name])
+    WEBHOOKS.bind(app.state.redis)
     try:
         yield
     finally:
         QUEUE_DEPTH.bind(None, ())
+        WEBHOOKS.bind(None)
         app.state.redis = None
         pool.disconnect()
 

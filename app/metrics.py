@@ -23,12 +23,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
 from rq import Queue
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contracts.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +76,47 @@ class QueueDepthCollector(Collector):
         yield family
 
 
+class WebhookCollector(Collector):
+    """Webhooks, read from the Redis outbox at scrape time (every notifier process counts there):
+    ``jacobian_webhook_deliveries_total{event, outcome}``, delivery attempts by outcome (``delivered``;
+    ``failed`` or ``refused`` by the allowlist, both retried; ``gave_up``: the last one of a delivery that
+    never succeeded), and ``jacobian_webhook_outbox``, deliveries waiting (due or for a retry)."""
+
+    _ATTEMPTS = ("jacobian_webhook_deliveries", "Webhook delivery attempts, by event and outcome.")
+    _OUTBOX = ("jacobian_webhook_outbox", "Webhook deliveries in the outbox (due, or waiting for a retry).")
+
+    def __init__(self) -> None:
+        self.connection: Redis | None = None
+
+    def bind(self, connection: Redis | None) -> None:
+        self.connection = connection
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(*self._ATTEMPTS, labels=["event", "outcome"]), GaugeMetricFamily(*self._OUTBOX)]
+
+    def collect(self) -> Iterable[Metric]:
+        attempts = CounterMetricFamily(*self._ATTEMPTS, labels=["event", "outcome"])
+        pending = GaugeMetricFamily(*self._OUTBOX)
+        if self.connection is not None:
+            try:
+                outbox = Outbox(self.connection)
+                counts, waiting = outbox.counts(), outbox.pending()
+            except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is down
+                log.warning("webhook metrics unavailable: %s", exc)
+            else:
+                for (event, outcome), value in sorted(counts.items()):
+                    attempts.add_metric([event, outcome], float(value))
+                pending.add_metric([], float(waiting))
+        yield attempts
+        yield pending
+
+
 QUEUE_DEPTH = QueueDepthCollector()
+WEBHOOKS = WebhookCollector()
 _MULTIPROC = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 if not _MULTIPROC:
     REGISTRY.register(QUEUE_DEPTH)
+    REGISTRY.register(WEBHOOKS)
 
 
 def render() -> tuple[bytes, str]:
@@ -88,6 +127,7 @@ def render() -> tuple[bytes, str]:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(QUEUE_DEPTH)
+        registry.register(WEBHOOKS)
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 

@@ -137,14 +137,15 @@ def require_saved_model(model_dir: Path, *, field: str = "model.path") -> Path:
     return model_dir
 
 
-def check_api_key(authorization: str | None, keys: Sequence[str]) -> None:
-    """Accept ``Authorization: Bearer <key>`` for a configured key; no keys configured means no auth.
+def check_api_key(authorization: str | None, keys: Sequence[str]) -> str | None:
+    """Accept ``Authorization: Bearer <key>`` for a configured key and return it; no keys configured means
+    no auth (None).
 
     Each configured key is compared with ``hmac.compare_digest`` (all of them, always), so the
     time taken does not reveal how much of a key matched. Raises ``InvalidApiKey``.
     """
     if not keys:
-        return
+        return None
     if not authorization:
         raise InvalidApiKey("Authorization: header missing; send 'Authorization: Bearer <api key>'",
                             field="Authorization")
@@ -153,9 +154,11 @@ def check_api_key(authorization: str | None, keys: Sequence[str]) -> None:
     if scheme.lower() != "bearer" or not token:
         raise InvalidApiKey("Authorization: expected 'Bearer <api key>'", field="Authorization")
     given = token.encode()
-    matched = False
+    matched: str | None = None
     for key in keys:
-        matched |= hmac.compare_digest(given, key.encode())
-    if not matched:
+        if hmac.compare_digest(given, key.encode()):
+            matched = key
+    if matched is None:
         raise InvalidApiKey("Authorization: unknown API key; ask an operator for a key in JACOBIAN_API_KEYS",
                             field="Authorization")
+    return matched

@@ -23,6 +23,7 @@ from app import inputs as tensors
 from app.errors import IdempotencyKeyReused, InvalidRequest, NotReady, UnsupportedMediaType
 from app.job_storage import remove_job_files
 from app.metrics import JOBS_SUBMITTED
+from app.notify import check_notify
 from app.routes.models import load_signature
 from app.security import check_path_text
 from contracts import npz, storage
@@ -39,7 +40,8 @@ from contracts.jobspec import (
 )
 from contracts.jobstore import JobRecord, JobStore
 from contracts.kinds import kind_spec, several_wrt
-from contracts.settings import Settings
+from contracts.outbox import Outbox
+from contracts.settings import ApiKey, Settings
 
 JSON_MEDIA_TYPE = "application/json"
 RETRY_INTERVALS_S = [5, 30]
@@ -65,11 +67,15 @@ async def read_body(request: Request, settings: Settings) -> tuple[bytes, str]:
 
 
 def submit(body: bytes, media: str, query: Mapping[str, str], *, settings: Settings, store: JobStore,
-           queue: Queue, idempotency_key: str | None) -> tuple[str, JobStatus]:
-    """Validate, then store inputs, create the record and enqueue; returns ``(job id, status)``."""
+           queue: Queue, idempotency_key: str | None, api_key: ApiKey | None = None) -> tuple[str, JobStatus]:
+    """Validate, then store inputs, create the record and enqueue; returns ``(job id, status)``.
+    ``api_key``: the key that sent the request (its name is kept with the job; its secret signs webhooks)."""
     if idempotency_key is not None and not _IDEMPOTENCY_KEY.match(idempotency_key):
         raise InvalidRequest("Idempotency-Key: use 1 to 255 printable ASCII characters without spaces")
     queued, arrays = validate(body, media, query, settings)
+    check_notify(queued.notify, settings, api_key)
+    if api_key is not None:
+        queued = queued.model_copy(update={"api_key": api_key.name})
     checks.check_pattern_from(queued.sparsity, store, model=queued.model, of=queued.of or "", wrt=str(queued.wrt))
     body_hash = fingerprint(queued, arrays)
     job_id = uuid.uuid4().hex
@@ -245,6 +251,8 @@ def enqueue(job_id: str, queued: QueuedJob, arrays: Mapping[str, np.ndarray], *,
     spec = queued.model_copy(update={"id": job_id, "inputs_uri": url}).model_dump(mode="json")
     try:
         store.create(JobRecord(id=job_id, status=JobStatus.queued, spec=spec, created_at=time.time()))
+        if queued.notify is not None:
+            Outbox(store.connection).watch(job_id, at=time.time())
         queue.enqueue_call(
             RUN_JOB_TASK, args=(spec,), job_id=job_id, timeout=rq_timeout_s(queued, settings),
             result_ttl=settings.result_ttl_s, failure_ttl=settings.result_ttl_s,
@@ -268,6 +276,7 @@ def _roll_back(job_id: str, results_url: str, store: JobStore) -> None:
     Called while an exception propagates: a failure here (Redis gone) is logged, never raised over it."""
     try:
         store.delete(job_id)
+        Outbox(store.connection).unwatch(job_id)
     except Exception as exc:  # noqa: BLE001 - the original error is the one to answer
         log.warning("job %s: not queued, and its record could not be removed: %s", job_id, exc)
     remove_job_files(results_url, job_id, why="not queued")

@@ -22,6 +22,7 @@ from contracts.kinds import (
     multiplies,
     no_batch_axis_variable,
 )
+from contracts.webhooks import Notify
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
                     "uint8", "uint16", "uint32", "uint64", "bool")
@@ -216,6 +217,11 @@ class JobOptions(BaseModel):
         "store it as COO (arrays rows, cols, values; see README 'Sparse Jacobians'). null: dense (the default); "
         "'auto': the pattern detected from the model's graph; {'pattern_uri': url}: given as an .npz of rows "
         "and cols; {'pattern_from': job id}: the non-zeros of an earlier job's result")
+    notify: Notify | None = Field(
+        None, description="webhooks: {'url': ..., 'events': ['succeeded', 'failed', 'canceled', 'progress']}; each "
+        "event POSTed to url, signed as Standard Webhooks (webhook-id, webhook-timestamp, webhook-signature) with "
+        "the API key's secret, retried with backoff for 24 h (README 'Webhooks'); the url's host must be allowed "
+        "by JACOBIAN_WEBHOOK_ALLOW")
 
     loss: Literal[LOSSES] | None = Field(  # type: ignore[valid-type]
         None, description="ggn_vp, fisher_vp, ggn_eig, ggn_trace, ihvp with curvature 'ggn': the loss L on the output "
@@ -356,6 +362,8 @@ class QueuedJob(JobOptions):
                               "None for the job itself (which plans the shards) and its finalizer")
     strategy: str | None = Field(None, description="chunk strategy every shard uses (e.g. 'tiled+xla'), pinned by "
                                  "the job's planner so that all rows are computed alike; None: a timed trial picks")
+    api_key: str | None = Field(None, description="the name of the API key that submitted the job (its webhooks' "
+                                "secret); None without API keys")
 
 
 def _shown(value: Any) -> str:

@@ -1,7 +1,5 @@
-"""Job records in Redis: one hash per job, an index by creation time, idempotency keys.
-
-The rq job (same id) only carries execution; this record is the truth clients read.
-"""
+"""Job records in Redis: one hash per job, an index by creation time, idempotency keys. The rq job (same id)
+only carries execution; this record is the truth clients read."""
 
 from __future__ import annotations
 
@@ -13,7 +11,9 @@ from pydantic import BaseModel, Field, ValidationError
 from redis import Redis
 
 from contracts.jobspec import ALLOWED_MOVES, JobStatus
+from contracts.outbox import notify_block
 from contracts.records import ErrorInfo, JobPublic, PlanInfo, Progress, ResultInfo, dump, iso_time
+from contracts.webhooks import NotifyStatus
 
 
 class JobNotFound(KeyError):
@@ -25,11 +25,10 @@ class CorruptRecord(RuntimeError):
 
 
 class JobRecord(BaseModel):
-    """A job as stored: ``progress``, ``plan``, ``result``, ``error`` as their records (``contracts.records``),
-    parsed once when read and dumped once when written (with the keys they were given: a record not planned
-    yet keeps ``"plan": {}``). ``spec`` is the queued job's JSON, kept a dict: a stored record stays readable
-    whatever the request rules of the code reading it (``QueuedJob`` forbids unknown keys and checks fields
-    across each other), and readers take a few keys (``kind``, ``model``, ``results_url``, ``of``, ``wrt``)."""
+    """A job as stored: ``progress``, ``plan``, ``result``, ``error``, ``notify`` as their records, parsed once
+    when read and dumped once when written (with the keys they were given: ``"plan": {}`` before a plan).
+    ``spec`` is the queued job's JSON, kept a dict: a stored record stays readable whatever the request rules of
+    the code reading it (``QueuedJob`` forbids unknown keys), and readers take a few keys (``kind``, ``model``)."""
 
     id: str
     status: JobStatus
@@ -43,15 +42,16 @@ class JobRecord(BaseModel):
     error: ErrorInfo | None = None
     cancel_requested: bool = False
     deaths: list[str] = Field(default_factory=list)  # how each worker that died running it died, oldest first
+    notify: NotifyStatus | None = None  # webhooks (from the spec and the delivery fields), None without notify
 
     def public(self) -> JobPublic:
-        """The ``GET /v1/jobs/{id}`` body; raises ``CorruptRecord`` when the spec's ``kind`` or ``model`` do not
-        fit it (the records are typed already)."""
+        """The ``GET /v1/jobs/{id}`` body; ``CorruptRecord`` when the spec's ``kind`` or ``model`` do not fit."""
         try:
             return JobPublic(
                 id=self.id, status=self.status, progress=self.progress, plan=self.plan, result=self.result,
                 error=self.error, created_at=_iso(self.created_at), started_at=_iso(self.started_at),
                 finished_at=_iso(self.finished_at), kind=self.spec.get("kind"), model=self.spec.get("model"),
+                **({"notify": self.notify} if self.notify is not None else {}),
             )
         except ValidationError as err:
             raise CorruptRecord(f"job {self.id}: the stored record is not a JobPublic: {err}") from err
@@ -376,14 +376,15 @@ class JobStore:
             except ValueError as err:
                 raise CorruptRecord(f"job {job_id}: the stored {name} {d[name][:80]!r} does not parse: {err}") from err
 
+        spec = parsed("spec", json.loads, {})
         try:
             return JobRecord(
-                id=job_id, status=d.get("status", "queued"), spec=parsed("spec", json.loads, {}),
+                id=job_id, status=d.get("status", "queued"), spec=spec,
                 created_at=parsed("created_at", float, 0.0), started_at=parsed("started_at", float, None),
                 finished_at=parsed("finished_at", float, None), progress=parsed("progress", json.loads, {}),
                 plan=parsed("plan", json.loads, {}), result=parsed("result", json.loads, None),
                 error=parsed("error", json.loads, None), cancel_requested=d.get("cancel_requested") == "1",
-                deaths=parsed("deaths", json.loads, []),
+                deaths=parsed("deaths", json.loads, []), notify=notify_block(spec, d),
             )
         except ValidationError as err:  # names the field
             raise CorruptRecord(f"job {job_id}: the stored record does not read as a JobRecord: {err}") from err

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.jobspec import JobStatus, Kind, ModelRef
+from contracts.webhooks import NotifyStatus
 
 
 class Progress(BaseModel):
@@ -116,6 +117,8 @@ class JobPublic(BaseModel):
     finished_at: str | None
     kind: Kind | None
     model: ModelRef | None
+    notify: NotifyStatus | None = Field(None, description="a job with notify: its URL, events and each event's "
+                                        "last delivery (delivered, attempts, last_error); absent otherwise")
 
 
 class JobList(BaseModel):

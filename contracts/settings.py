@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from contracts.webhook_allow import WebhookAllow
+from contracts.webhooks import parse_secret
 
 _DEFAULT_HOME = Path.cwd() / "var"
 
@@ -15,6 +20,40 @@ _DEFAULT_HOME = Path.cwd() / "var"
 def _split_csv(value: object) -> object:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class ApiKey(BaseModel):
+    """One API key of ``JACOBIAN_API_KEYS``: the bearer ``key``, the ``name`` records and logs use instead
+    of it (default ``key-`` and 8 hex digits of its SHA-256), and the ``webhook_secret`` its jobs' webhooks
+    are signed with (``whsec_<base64>``; none: its jobs cannot ask for ``notify``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    key: str = Field(min_length=1)
+    name: str = ""
+    webhook_secret: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ApiKey:
+        if not self.name:
+            object.__setattr__(self, "name", "key-" + hashlib.sha256(self.key.encode()).hexdigest()[:8])
+        if self.webhook_secret is not None:
+            parse_secret(self.webhook_secret, field=f"JACOBIAN_API_KEYS: key {self.name!r}: webhook_secret")
+        return self
+
+
+def _api_keys(value: object) -> object:
+    """``JACOBIAN_API_KEYS`` as comma-separated keys, or JSON: a list of keys and ``{"key", "name",
+    "webhook_secret"}`` objects."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"JACOBIAN_API_KEYS: starts with '[' but is not JSON ({exc}); give comma-separated "
+                             'keys or a JSON list such as [{"key": "...", "webhook_secret": "whsec_..."}]') from None
+    value = _split_csv(value)
+    if isinstance(value, list):
+        return [{"key": item} if isinstance(item, str) else item for item in value]
     return value
 
 
@@ -28,7 +67,9 @@ class Settings(BaseSettings):
     model_roots: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [str(_DEFAULT_HOME / "models")], description="folders and s3://bucket/prefix "
         "entries under which model paths are allowed (comma-separated)")
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_keys: Annotated[list[ApiKey], NoDecode] = Field(
+        default_factory=list, description="accepted bearer keys: comma-separated, or a JSON list of keys and "
+        '{"key", "name", "webhook_secret"} objects; empty: no auth')
     memory_budget_bytes: int | None = None
     queue_name: str = "jacobian"
     max_body_bytes: int = 256 * 1024 * 1024
@@ -83,14 +124,62 @@ class Settings(BaseSettings):
     event_poll_s: float = Field(0.5, gt=0, description="how often an event stream reads its job's record")
     event_heartbeat_s: float = Field(15.0, gt=0, description="a comment line after this long without an event "
                                      "keeps proxies from closing an event stream")
+    webhook_allow: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="hosts (hooks.example.com, *.example.com), IP addresses and CIDR "
+        "networks webhooks may go to; empty: webhooks off (see contracts/webhook_allow.py)")
+    webhook_secret: str | None = Field(None, description="whsec_<base64> secret webhooks are signed with when "
+                                       "no API keys are set")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="one delivery attempt's limit (connect and answer)")
+    webhook_retry_base_s: float = Field(5.0, gt=0, description="delay after the first failed attempt; doubled "
+                                        "after each further one (with jitter), up to webhook_retry_max_s")
+    webhook_retry_max_s: float = Field(3600.0, gt=0, description="the longest delay between two attempts")
+    webhook_retry_window_s: float = Field(24 * 3600.0, gt=0, description="a delivery is retried until this long "
+                                          "after it was first due, then given up")
+    webhook_progress_s: float = Field(10.0, ge=0, description="at most one 'progress' delivery per job this often "
+                                      "(0: one per new row count the notifier reads)")
+    notifier_poll_s: float = Field(0.5, gt=0, description="how often the notifier reads the jobs it watches and "
+                                   "the outbox")
+    notifier_concurrency: int = Field(8, ge=1, description="deliveries a notifier process makes at once")
     log_format: str = Field("json", description="json (one object a line), text, or none (logging left alone)")
     log_level: str = Field("INFO", description="the root logger's level")
     malloc_arenas: int = Field(2, ge=0, description="glibc malloc arenas of a worker (0: glibc's default)")
 
-    @field_validator("model_roots", "api_keys", "keras_unsafe_roots", mode="before")
+    @field_validator("model_roots", "keras_unsafe_roots", "webhook_allow", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys(cls, value: object) -> object:
+        return _api_keys(value)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _unique_names(cls, keys: list[ApiKey]) -> list[ApiKey]:
+        names = [k.name for k in keys]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"JACOBIAN_API_KEYS: the name {twice[0]!r} is given to two keys; name each key once")
+        return keys
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _allow(cls, value: list[str]) -> list[str]:
+        WebhookAllow.parse(value)  # a malformed entry fails at start, not at the first POST
+        return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _secret(cls, value: str | None) -> str | None:
+        if value:
+            parse_secret(value, field="JACOBIAN_WEBHOOK_SECRET")
+        return value or None
+
+    @property
+    def api_key_values(self) -> list[str]:
+        """The bearer keys alone."""
+        return [k.key for k in self.api_keys]
 
 
 @lru_cache(maxsize=1)

@@ -32,8 +32,10 @@ from jacobian.cli_compute import add_parser as add_compute_parser
 EXTRAS = {
     "api": ("fastapi", "uvicorn", "redis", "rq", "prometheus_client", "matplotlib"),
     "worker": ("tensorflow", "redis", "rq", "prometheus_client"),
+    "server": ("redis", "rq", "prometheus_client"),
 }
-_EXTRA_WHAT = {"api": "the HTTP API server stack", "worker": "TensorFlow and the worker stack"}
+_EXTRA_WHAT = {"api": "the HTTP API server stack", "worker": "TensorFlow and the worker stack",
+               "server": "Redis, rq and the metrics client"}
 
 
 def _not_importable(module: str) -> bool:
@@ -92,6 +94,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.main import run_worker
 
     run_worker(burst=args.burst)
+    return 0
+
+
+def cmd_notifier(args: argparse.Namespace) -> int:
+    """The webhook notifier (``app.notifier``): delivers the jobs' ``notify`` events from the Redis outbox."""
+    from app.notifier import run_notifier
+
+    run_notifier()
     return 0
 
 
@@ -163,7 +173,8 @@ def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Redis (if none is reachable), the API and one worker; results and models under ``./var``."""
+    """Redis (if none is reachable), the API, one worker and the webhook notifier; results and models under
+    ``./var``."""
     from contracts.settings import get_settings
 
     var = Path(args.var).resolve()
@@ -197,7 +208,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         procs.append(("api", subprocess.Popen(cli + ["serve", "--host", args.host, "--port", str(port)], env=env)))
         procs.append(("worker", subprocess.Popen(cli + ["worker", "--supervise"], env=env)))
+        procs.append(("notifier", subprocess.Popen(cli + ["notifier"], env=env)))
         print(f"api     {api_url}  (docs {api_url}/docs, jobs {api_url}/v1/jobs, ui {api_url}/ui)", flush=True)
+        allow = env.get("JACOBIAN_WEBHOOK_ALLOW") or "off (set JACOBIAN_WEBHOOK_ALLOW)"
+        print(f"webhooks {allow} (jacobian notifier)", flush=True)
         print(f"results {env['JACOBIAN_RESULTS_URL']}", flush=True)
         print(f"models  {env['JACOBIAN_MODEL_ROOTS']}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
@@ -240,7 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--supervise", action="store_true", help="run the worker as a child process, restart it when it "
                    "dies and note the signal (SIGKILL, SIGSEGV) for the job's WorkerDied error")
     p.set_defaults(func=cmd_worker, needs=("worker",))
-    p = sub.add_parser("up", help="Redis (if none reachable), the API and one worker, results on local disk")
+    p = sub.add_parser("notifier", help="deliver the jobs' webhooks (notify) from the Redis outbox")
+    p.set_defaults(func=cmd_notifier, needs=("server",))
+    p = sub.add_parser("up", help="Redis (if none reachable), the API, one worker and the webhook notifier, "
+                       "results on local disk")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, help="API port (default: that of JACOBIAN_API_URL, 8000)")
     p.add_argument("--var", default="var", help="folder for Redis data, results and models (default ./var)")

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app import inputs as tensors
 from app import rows as result_rows
-from app.deps import JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
+from app.deps import ApiKeyDep, JobIdDep, QueueDep, SettingsDep, StoreDep, require_api_key
 from app.dry_run import dry_run as quote_job
 from app.errors import ApiError, ClientClosedRequest, InvalidRequest, error_responses
 from app.events import EVENT_MEDIA_TYPE, EventStreamResponse, job_events
@@ -51,7 +51,8 @@ _SUBMIT_OPENAPI: dict[str, Any] = {
         "description": f"A JSON body (JobCreate, no query parameters), or an .npz body (Content-Type: "
                        f"{tensors.NPZ_MEDIA_TYPE}, one array per model input) with the options as query "
                        f"parameters: {', '.join(_NPZ_PARAMS)} (model_path required; values as in JobCreate; "
-                       "sparsity as auto, pattern_from:<job id>, pattern_uri:<url> or the JSON object).",
+                       "sparsity as auto, pattern_from:<job id>, pattern_uri:<url> or the JSON object; notify as its "
+                       "JSON object).",
         "content": {
             JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/JobCreate"}},
             tensors.NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
@@ -62,12 +63,14 @@ _SUBMIT_OPENAPI: dict[str, Any] = {
 
 @router.post("", status_code=202, response_model=JobAccepted, openapi_extra=_SUBMIT_OPENAPI,
              responses={200: {"model": Quote, "description": "dry_run=true: the quote; nothing queued or written"},
-                        400: {"description": "malformed body"}, 403: {"description": "model path not allowed"},
+                        400: {"description": "malformed body"},
+                        403: {"description": "model path not allowed, or notify.url not allowed for webhooks "
+                              "(JACOBIAN_WEBHOOK_ALLOW) or no secret to sign them"},
                         408: {"description": "the body stalled"}, 413: {"description": "body or inputs too large"},
                         415: {"description": "unsupported Content-Type"}, 422: {"description": "invalid request"},
                         503: {"description": "Redis, or the S3 model root the model lies under, unreachable"}})
 async def create_job(
-    request: Request, settings: SettingsDep, store: StoreDep, queue: QueueDep,
+    request: Request, settings: SettingsDep, store: StoreDep, queue: QueueDep, api_key: ApiKeyDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
     dry_run: Annotated[bool, Query(description="true: run every check, then answer 200 with the quote (result "
                                    "bytes, passes, predicted peak memory and time, whether they are guesses); "
@@ -83,10 +86,12 @@ async def create_job(
     try:
         body, media = await read_body(request, settings)
         if dry_run:
-            quoted = await run_in_threadpool(quote_job, body, media, query, settings=settings, store=store)
+            quoted = await run_in_threadpool(quote_job, body, media, query, settings=settings, store=store,
+                                             api_key=api_key)
             return JSONResponse(quoted.model_dump(mode="json"), status_code=200)
         job_id, status = await run_in_threadpool(submit, body, media, query, settings=settings,
-                                                 store=store, queue=queue, idempotency_key=idempotency_key)
+                                                 store=store, queue=queue, idempotency_key=idempotency_key,
+                                                 api_key=api_key)
     except ClientClosedRequest:
         raise  # not a refusal: nobody is left to read the answer
     except (ApiError, ValidationError) as exc:
