@@ -54,7 +54,7 @@ def due_event(record: JobRecord, seen: dict[str, Any], events: set[str], *, now:
     nothing yet, else ``(event or None, the new seen, terminal)``. A terminal status is emitted once (its
     event when asked for, else nothing, ending the watch); ``progress`` when rows grew and ``progress_s``
     passed since the last one."""
-    rows = int(record.progress.get("rows_done") or 0)
+    rows = int(record.progress.rows_done or 0)
     new_seen = {"status": record.status.value, "rows": rows, "at": now}
     if record.status.is_terminal:
         return (record.status.value if record.status.value in events else None), new_seen, True
@@ -132,10 +132,10 @@ class Notifier:
         return 1
 
     def _delivery(self, record: JobRecord, url: str, event: str, now: float) -> dict[str, Any]:
-        earlier = ((record.notify or {}).get("deliveries") or {}).get(event) or {}
+        earlier = record.notify.deliveries.get(event) if record.notify is not None else None
         delivery_id = new_delivery_id()
         block = NotifyDelivery(id=delivery_id, delivered=False, attempts=0, next_attempt_at=iso_time(now),
-                               count=int(earlier.get("count") or 0) + 1)
+                               count=(earlier.count if earlier is not None else 0) + 1)
         return {"id": delivery_id, "event": event, "body": payload(record, event, now), "url": url,
                 "key": record.spec.get("api_key") or "", "block": block.model_dump(mode="json")}
 

@@ -17,7 +17,7 @@ from app.notifier import Notifier
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobRecord, JobStore
 from contracts.outbox import Outbox
-from contracts.records import Progress
+from contracts.records import ErrorInfo, Progress
 from contracts.settings import Settings, get_settings
 from tests.conftest import work_burst
 from tests.webhook_receiver import Receiver, start, verify
@@ -157,7 +157,7 @@ def test_progress_and_end_events_as_a_worker_writes_them(hooks_env, redis_conn, 
             store.set_fields(job_id, progress=Progress.of(rows, 4, 2.0))
             assert scan() == 1
         assert scan() == 0  # no new rows
-        store.transition(job_id, JobStatus.failed, error={"type": "Boom", "message": "m"})
+        store.transition(job_id, JobStatus.failed, error=ErrorInfo(type="Boom", message="m"))
         assert scan() == 1
         assert scan() == 0 and outbox.watched() == 0
         wait_until(lambda: notifier.dispatch() == 0 and len(receiver.accepted()) == 3, "three deliveries")
