@@ -11,6 +11,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from app.errors import NotReady
+from app.quotas import Quotas, quota_name
 from app.security import check_api_key
 from contracts.jobspec import JOB_ID_PATTERN, is_job_id
 from contracts.jobstore import JobNotFound, JobStore
@@ -64,12 +65,17 @@ _bearer = HTTPBearer(auto_error=False, description="An API key of JACOBIAN_API_K
 def require_api_key(request: Request, settings: SettingsDep,
                     _docs: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)] = None) -> ApiKey | None:
     """401 unless ``Authorization: Bearer <key>`` names a key of ``JACOBIAN_API_KEYS`` (none set: open);
-    the key's settings (None when no keys are set).
+    the key's settings (None when no keys are set). With a request rate quota, one request through the key's
+    token bucket (429 ``QuotaExceeded`` when it is empty).
 
     ``_docs`` only declares the bearer scheme in the OpenAPI document; the raw header is checked.
     """
     matched = check_api_key(request.headers.get("authorization"), settings.api_key_values)
-    return next((k for k in settings.api_keys if k.key == matched), None) if matched is not None else None
+    key = next((k for k in settings.api_keys if k.key == matched), None) if matched is not None else None
+    limits = settings.quota_limits(key)
+    if limits.requests_per_s is not None:
+        Quotas(get_redis(request)).take_request(quota_name(key), limits)
+    return key
 
 
 ApiKeyDep = Annotated[ApiKey | None, Depends(require_api_key)]

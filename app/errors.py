@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 class ErrorDetail(BaseModel):
     type: str
     message: str
+    limit: str | None = Field(None, description="429 only: the quota refused (concurrent, queued, "
+                              "result_bytes_per_day, requests_per_s)")
+    key: str | None = Field(None, description="429 only: the API key's name (anonymous without keys)")
+    usage: float | None = Field(None, description="429 only: the limit's usage now")
+    max: float | None = Field(None, description="429 only: the limit")
 
 
 class ErrorBody(BaseModel):
@@ -42,7 +47,9 @@ _ERROR_DESCRIPTIONS = {400: "malformed request", 401: "missing or wrong API key"
                        403: "model path or webhook not allowed",
                        404: "unknown job or model", 408: "the request body stalled", 409: "the job has not succeeded",
                        413: "too large",
-                       416: "rows outside the result", 422: "invalid request", 503: "not ready"}
+                       416: "rows outside the result", 422: "invalid request",
+                       429: "over a quota of the API key: the body's error names the limit, its usage and max; "
+                            "Retry-After says when to try again", 503: "not ready"}
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -132,6 +139,16 @@ class TooManyStreams(ApiError):
     retry_after_s = 5
 
 
+class QuotaExceeded(ApiError):
+    """A request over one of its API key's quotas (``contracts.quotas.LIMITS``); nothing was queued."""
+
+    def __init__(self, message: str, *, limit: str, key: str, usage: float, max_: float,
+                 retry_after_s: int) -> None:
+        super().__init__(message, field=limit)
+        self.details = {"limit": limit, "key": key, "usage": usage, "max": max_}
+        self.retry_after_s = retry_after_s
+
+
 _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (MalformedBody, 400),
     (InvalidApiKey, 401),
@@ -150,6 +167,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidRequest, 422),
     (ValidationError, 422),
     (RequestValidationError, 422),
+    (QuotaExceeded, 429),
     (ClientClosedRequest, 499),
     (NotReady, 503),
     (TooManyStreams, 503),
@@ -250,12 +268,12 @@ def _allowed_methods(request: Request) -> str:
 
 def _headers(request: Request, exc: BaseException) -> dict[str, str] | None:
     """WWW-Authenticate on a 401, Allow on a 405, Connection: close after a stalled body, Retry-After when
-    there are too many event streams."""
+    there are too many event streams or a quota is exceeded."""
     if isinstance(exc, InvalidApiKey):
         return {"WWW-Authenticate": "Bearer"}
     if isinstance(exc, BodyTimeout):
         return {"Connection": "close"}  # the rest of the body may still arrive: not on this connection
-    if isinstance(exc, TooManyStreams):
+    if isinstance(exc, (TooManyStreams, QuotaExceeded)):
         return {"Retry-After": str(exc.retry_after_s)}
     if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
         return {"Allow": _allowed_methods(request)}
@@ -284,7 +302,7 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     message = _routing_message(request, exc, _message(exc))
     # A message may quote the request (a field or input name); JSON answers are UTF-8, lone surrogates are not.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    body = {"error": {"type": _type(exc), "message": message}}
+    body = {"error": {"type": _type(exc), "message": message, **getattr(exc, "details", {})}}
     return JSONResponse(body, status_code=status, headers=_headers(request, exc))
 
 

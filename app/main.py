@@ -13,8 +13,9 @@ from redis import ConnectionPool, Redis
 
 from app.errors import install_error_handler
 from app.events import StreamSlots
-from app.metrics import QUEUE_DEPTH, WEBHOOKS, MetricsMiddleware
-from app.routes import health, jobs, models, preview, ui
+from app.metrics import QUEUE_DEPTH, QUOTAS, WEBHOOKS, MetricsMiddleware
+from app.quotas import usage_of_every_key
+from app.routes import health, jobs, models, preview, ui, usage
 from contracts.jobspec import JobCreate, is_job_id
 from contracts.logs import configure_logging, job_context
 from contracts.settings import get_settings
@@ -63,11 +64,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.redis = Redis(connection_pool=pool)
     QUEUE_DEPTH.bind(app.state.redis, [settings.queue_name])
     WEBHOOKS.bind(app.state.redis)
+    QUOTAS.bind(lambda conn=app.state.redis: usage_of_every_key(conn, settings))
     try:
         yield
     finally:
         QUEUE_DEPTH.bind(None, ())
         WEBHOOKS.bind(None)
+        QUOTAS.bind(None)
         app.state.redis = None
         pool.disconnect()
 
@@ -104,6 +107,7 @@ def create_app() -> FastAPI:
     app.include_router(models.router)
     app.include_router(preview.router)
     app.include_router(ui.router)
+    app.include_router(usage.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -31,6 +31,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.outbox import Outbox
+from contracts.quotas import QuotaUsage
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ HTTP_DURATION = Histogram("jacobian_http_request_duration_seconds",
                           "Time to answer an HTTP request, by route template, method and status code.",
                           ["route", "method", "status_code"],
                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+QUOTA_REJECTIONS = Counter("jacobian_quota_rejections", "Requests refused with 429 by a quota, by API key name "
+                           "and limit.", ["key", "limit"])
 EVENT_STREAMS = Gauge("jacobian_event_streams", "GET /v1/jobs/{id}/events streams open now.",
                       multiprocess_mode="livesum")
 
@@ -111,12 +114,48 @@ class WebhookCollector(Collector):
         yield pending
 
 
+class QuotaCollector(Collector):
+    """``jacobian_quota_usage{key, limit}`` and ``jacobian_quota_limit{key, limit}`` (limits that are set), by API
+    key name (never the key), read from Redis at scrape time through ``app.quotas.usage_of_every_key``."""
+
+    _USAGE = ("jacobian_quota_usage", "Usage of each quota of each API key (jobs, bytes, requests not refilled).")
+    _LIMIT = ("jacobian_quota_limit", "Each quota of each API key that has a limit.")
+
+    def __init__(self) -> None:
+        self.read: Callable[[], list[QuotaUsage]] | None = None
+
+    def bind(self, read: Callable[[], list[QuotaUsage]] | None) -> None:
+        self.read = read
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(*self._USAGE, labels=["key", "limit"]),
+                GaugeMetricFamily(*self._LIMIT, labels=["key", "limit"])]
+
+    def collect(self) -> Iterable[Metric]:
+        usage = GaugeMetricFamily(*self._USAGE, labels=["key", "limit"])
+        limit = GaugeMetricFamily(*self._LIMIT, labels=["key", "limit"])
+        try:
+            keys = self.read() if self.read is not None else []
+        except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is down
+            log.warning("quota metrics unavailable: %s", exc)
+            keys = []
+        for key in keys:
+            for row in key.limits:
+                usage.add_metric([key.key, row.name], float(row.used))
+                if row.max is not None:
+                    limit.add_metric([key.key, row.name], float(row.max))
+        yield usage
+        yield limit
+
+
 QUEUE_DEPTH = QueueDepthCollector()
 WEBHOOKS = WebhookCollector()
+QUOTAS = QuotaCollector()
 _MULTIPROC = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 if not _MULTIPROC:
     REGISTRY.register(QUEUE_DEPTH)
     REGISTRY.register(WEBHOOKS)
+    REGISTRY.register(QUOTAS)
 
 
 def render() -> tuple[bytes, str]:
@@ -128,6 +167,7 @@ def render() -> tuple[bytes, str]:
         multiprocess.MultiProcessCollector(registry)
         registry.register(QUEUE_DEPTH)
         registry.register(WEBHOOKS)
+        registry.register(QUOTAS)
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 

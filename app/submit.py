@@ -24,6 +24,7 @@ from app.errors import IdempotencyKeyReused, InvalidRequest, NotReady, Unsupport
 from app.job_storage import remove_job_files
 from app.metrics import JOBS_SUBMITTED
 from app.notify import check_notify
+from app.quotas import admitted, quota_name
 from app.routes.models import load_signature
 from app.security import check_path_text
 from contracts import npz, storage
@@ -69,7 +70,8 @@ async def read_body(request: Request, settings: Settings) -> tuple[bytes, str]:
 def submit(body: bytes, media: str, query: Mapping[str, str], *, settings: Settings, store: JobStore,
            queue: Queue, idempotency_key: str | None, api_key: ApiKey | None = None) -> tuple[str, JobStatus]:
     """Validate, then store inputs, create the record and enqueue; returns ``(job id, status)``.
-    ``api_key``: the key that sent the request (its name is kept with the job; its secret signs webhooks)."""
+    ``api_key``: the key that sent the request (its name is kept with the job; its secret signs webhooks; its
+    quotas admit the job: ``QuotaExceeded`` when over one, nothing queued; ``app.quotas``)."""
     if idempotency_key is not None and not _IDEMPOTENCY_KEY.match(idempotency_key):
         raise InvalidRequest("Idempotency-Key: use 1 to 255 printable ASCII characters without spaces")
     queued, arrays = validate(body, media, query, settings)
@@ -91,7 +93,8 @@ def submit(body: bytes, media: str, query: Mapping[str, str], *, settings: Setti
             except KeyError:
                 return stored_id, JobStatus.queued
     try:
-        enqueue(job_id, queued, arrays, settings=settings, store=store, queue=queue)
+        with admitted(store.connection, quota_name(api_key), job_id, settings.quota_limits(api_key)):
+            enqueue(job_id, queued, arrays, settings=settings, store=store, queue=queue)
     except BaseException:
         if idempotency_key is not None:
             store.release_idempotency_key(idempotency_key)

@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from contracts.quotas import QuotaLimits
 from contracts.webhook_allow import WebhookAllow
 from contracts.webhooks import parse_secret
 
@@ -26,12 +27,14 @@ def _split_csv(value: object) -> object:
 class ApiKey(BaseModel):
     """One API key of ``JACOBIAN_API_KEYS``: the bearer ``key``, the ``name`` records and logs use instead
     of it (default ``key-`` and 8 hex digits of its SHA-256), and the ``webhook_secret`` its jobs' webhooks
-    are signed with (``whsec_<base64>``; none: its jobs cannot ask for ``notify``)."""
+    are signed with (``whsec_<base64>``; none: its jobs cannot ask for ``notify``), and ``quotas`` overriding
+    the ``JACOBIAN_QUOTA_*`` defaults for it (``contracts.quotas.QuotaLimits``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     key: str = Field(min_length=1)
     name: str = ""
     webhook_secret: str | None = None
+    quotas: QuotaLimits | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ApiKey:
@@ -69,7 +72,7 @@ class Settings(BaseSettings):
         "entries under which model paths are allowed (comma-separated)")
     api_keys: Annotated[list[ApiKey], NoDecode] = Field(
         default_factory=list, description="accepted bearer keys: comma-separated, or a JSON list of keys and "
-        '{"key", "name", "webhook_secret"} objects; empty: no auth')
+        '{"key", "name", "webhook_secret", "quotas"} objects; empty: no auth')
     memory_budget_bytes: int | None = None
     queue_name: str = "jacobian"
     max_body_bytes: int = 256 * 1024 * 1024
@@ -140,6 +143,14 @@ class Settings(BaseSettings):
     notifier_poll_s: float = Field(0.5, gt=0, description="how often the notifier reads the jobs it watches and "
                                    "the outbox")
     notifier_concurrency: int = Field(8, ge=1, description="deliveries a notifier process makes at once")
+    quota_max_concurrent: int | None = Field(None, ge=0, description="jobs of one API key queued or running at "
+                                             "once; beyond: 429 (unset: no limit)")
+    quota_max_queued: int | None = Field(None, ge=0, description="jobs of one API key waiting for a worker")
+    quota_max_result_bytes_per_day: int | None = Field(None, ge=0, description="result bytes of one API key's "
+                                                       "jobs that succeeded in a UTC day")
+    quota_requests_per_s: float | None = Field(None, gt=0, description="requests of one API key per second "
+                                               "(token bucket)")
+    quota_burst: int | None = Field(None, ge=1, description="the token bucket's size (default: the rate rounded up)")
     log_format: str = Field("json", description="json (one object a line), text, or none (logging left alone)")
     log_level: str = Field("INFO", description="the root logger's level")
     malloc_arenas: int = Field(2, ge=0, description="glibc malloc arenas of a worker (0: glibc's default)")
@@ -180,6 +191,13 @@ class Settings(BaseSettings):
     def api_key_values(self) -> list[str]:
         """The bearer keys alone."""
         return [k.key for k in self.api_keys]
+
+    def quota_limits(self, api_key: ApiKey | None) -> QuotaLimits:
+        """The limits of ``api_key`` (None: the anonymous bucket): the ``quota_*`` defaults, then its overrides."""
+        defaults = QuotaLimits(max_concurrent=self.quota_max_concurrent, max_queued=self.quota_max_queued,
+                               max_result_bytes_per_day=self.quota_max_result_bytes_per_day,
+                               requests_per_s=self.quota_requests_per_s, burst=self.quota_burst)
+        return defaults.overridden(api_key.quotas if api_key is not None else None)
 
 
 @lru_cache(maxsize=1)

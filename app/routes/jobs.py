@@ -39,7 +39,7 @@ NPY_MEDIA_TYPE = "application/octet-stream"
 _CANCELED_QUEUED = ErrorInfo(type="Canceled", message="canceled before it started")
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)],
-                   responses=error_responses(401))
+                   responses=error_responses(401, 429))
 
 
 _NPZ_PARAMS = ["model_path", "signature", *JobOptions.model_fields]

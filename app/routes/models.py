@@ -25,7 +25,7 @@ from contracts.savedmodel import (
 )
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_api_key)],
-                   responses=error_responses(401, 403, 404, 422, 503))
+                   responses=error_responses(401, 403, 404, 422, 429, 503))
 
 
 def load_signature(path: str, signature: str, roots: list[str], *, op_allow: Mapping[str, list[str]],

@@ -34,7 +34,7 @@ CACHE_ENTRIES = 32
 CONCURRENT_RENDERS = 2  # each reads a whole result, chunk by chunk
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)],
-                   responses=error_responses(401))
+                   responses=error_responses(401, 429))
 
 _cache: OrderedDict[tuple[Any, ...], tuple[bytes, dict[str, str]]] = OrderedDict()
 _cache_lock = threading.Lock()
