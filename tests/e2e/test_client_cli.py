@@ -158,7 +158,7 @@ def test_cli_cancel_and_errors(env: Env, tmp_path: Path) -> None:
     bad_shape = _npz(tmp_path / "bad.npz", x=np.zeros((2, 7), np.float32))
     r = env.stack.cli("submit", "--model", "mlp", "--input", bad_shape)
     assert r.returncode == 2 and r.stdout == ""
-    assert re.match(r"^error: SignatureMismatch: inputs\.x\.shape: .*\[None, 8\]", r.stderr), r.stderr
+    assert re.match(r"^error: SignatureMismatch: --input\.x\.shape: .*\[None, 8\]", r.stderr), r.stderr   # CLI spelling
     r = env.stack.cli("submit", "--model", "../../etc", "--input", inp)
     assert r.returncode == 2 and re.match(r"^error: ModelPathNotAllowed: model_path: ", r.stderr), r.stderr
     r = env.stack.cli("submit", "--model", "mlp", "--input", inp, "--wrt", "nope")
