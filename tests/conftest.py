@@ -183,3 +183,8 @@ def finished_job(client, redis_conn, job_id: str) -> dict:
     record = client.get(f"/v1/jobs/{job_id}").json()
     assert record["status"] == "succeeded", record
     return record
+
+
+def tensor(array) -> dict:
+    """An array as the API's inline tensor JSON: ``{"shape", "dtype", "data"}``."""
+    return {"shape": list(array.shape), "dtype": str(array.dtype), "data": array.ravel().tolist()}

@@ -26,6 +26,7 @@ import pytest
 import zarr
 
 from tests import models
+from tests.conftest import tensor
 from tests.procs import REPO, Proc, base_env, free_port, jacobian_exe  # noqa: F401 (stack.py imports them here)
 
 pytestmark = pytest.mark.e2e
@@ -212,9 +213,6 @@ def as_rows(array: np.ndarray, iter_start: int, iter_stop: int) -> np.ndarray:
     moved = np.transpose(array, iterated + rest)
     return moved.reshape((math.prod(array.shape[iter_start:iter_stop]),) + tuple(array.shape[a] for a in rest))
 
-
-def tensor(array: np.ndarray) -> dict[str, Any]:
-    return {"shape": list(array.shape), "dtype": str(array.dtype), "data": array.ravel().tolist()}
 
 
 def check_progress_and_plan(record: dict[str, Any], rows_total: int) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests import models
-from tests.conftest import finished_job, work_burst
+from tests.conftest import finished_job, tensor, work_burst
 from tests.engine.reference import curvature_references, tape_hessian, tape_jacobian
 from worker.engine import load_model
 
@@ -32,9 +32,6 @@ def model_root(tmp_path_factory) -> Path:
 def client(worker_client):
     return worker_client
 
-
-def tensor(a: np.ndarray) -> dict:
-    return {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()}
 
 
 def body(*, with_t: bool = False, **options) -> dict:

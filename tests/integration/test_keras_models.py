@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import keras_models
-from tests.conftest import finished_job
+from tests.conftest import finished_job, tensor
 from tests.engine.reference import curvature_references
 
 pytestmark = pytest.mark.integration
@@ -35,9 +35,6 @@ def model_root(built):
 def keras_model(built):
     return built[1]
 
-
-def tensor(a: np.ndarray) -> dict:
-    return {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()}
 
 
 def tape(model, inputs: dict, of: str, wrt: str, how: str) -> np.ndarray:

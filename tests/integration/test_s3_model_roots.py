@@ -19,15 +19,12 @@ from rq.serializers import JSONSerializer
 from contracts.jobspec import JobStatus
 from contracts.jobstore import JobStore
 from tests import hostile_models, keras_models
-from tests.conftest import finished_job, work_burst
+from tests.conftest import finished_job, tensor, work_burst
 
 pytestmark = pytest.mark.integration
 X = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
 TOL = {"rtol": 2e-5, "atol": 2e-5}
 
-
-def tensor(a: np.ndarray) -> dict:
-    return {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()}
 
 
 def _s3():

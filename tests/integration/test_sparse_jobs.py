@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests import sparse_models
-from tests.conftest import finished_job
+from tests.conftest import finished_job, tensor
 from worker.engine import load_model
 
 pytestmark = pytest.mark.integration
@@ -34,9 +34,6 @@ def model_root(tmp_path_factory) -> Path:
 def client(worker_client):
     return worker_client
 
-
-def tensor(a: np.ndarray) -> dict:
-    return {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()}
 
 
 def dense(model_root, name, inputs, of, wrt):

@@ -18,7 +18,7 @@ from contracts import storage
 from contracts.jobspec import finalizer_job_id, shard_job_id
 from contracts.jobstore import JobStore
 from tests import sparse_models
-from tests.conftest import finished_job
+from tests.conftest import finished_job, tensor
 from worker.engine import load_model
 
 pytestmark = pytest.mark.integration
@@ -58,9 +58,6 @@ def make_client(worker_env):
     for client in clients:
         client.__exit__(None, None, None)
 
-
-def tensor(a: np.ndarray) -> dict:
-    return {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel().tolist()}
 
 
 def tape(model_root: Path, name: str, inputs: dict, of: str, wrt: str) -> np.ndarray:
