@@ -186,8 +186,9 @@ def _line(value: Any, scale: float = 1.0) -> tuple[float, float] | None:
 
 def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_rows: int | None,
                budget: int | None) -> tuple[int, float | None, int, str]:
-    """Peak bytes, seconds and chunk rows the plan's strategy predicts for ``rows``; raises KeyError/ValueError
-    when the plan has no memory line."""
+    """Peak bytes, seconds and chunk rows the plan's strategy predicts for ``rows`` (the peak: the largest one
+    measured at that chunk size when the plan ran it at this batch, else its memory line, a bound); raises
+    KeyError/ValueError when the plan has no memory line."""
     label = str(plan["strategy"])
     record = plan["strategies"][label]
     measured_at = record.get("batch")
@@ -205,7 +206,10 @@ def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_r
         k = 1
         while k * 2 <= cap and (budget is None or memory[0] + memory[1] * k * 2 <= SAFETY * budget):
             k *= 2
-    peak = int(memory[0] + memory[1] * k)
+    peak = int(memory[0] + memory[1] * k)   # the bound through every peak measured
+    measured = (record.get("peaks") or {}).get(str(k))
+    if measured and scale == 1.0:   # this size was run at this batch: its largest measured peak
+        peak = int(measured)
     chunks = math.ceil(rows / k)
     if seconds is not None:
         secs: float | None = chunks * (seconds[0] + seconds[1] * k)

@@ -53,7 +53,8 @@ class PlanInfo(BaseModel):
     """The public chunk plan. The engine writes more keys than these (``fixed_bytes``, ``xla``,
     ``source``, ``plan_key``, ``trial``, ``rows_per_second`` by chunk size, ``budget_halvings``,
     ``rows_computed``, ``run_seconds``, ``timed_rows`` and ``chunks_run``: the chunk sizes timed, and per chunk size
-    run the largest size timed before it); they are kept as given (the UI lists every scalar one)."""
+    run the largest size timed before it; ``peaks``: the peak bytes measured per chunk size in this run); they are
+    kept as given (the UI lists every scalar one)."""
 
     model_config = ConfigDict(extra="allow")
 

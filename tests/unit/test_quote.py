@@ -91,3 +91,14 @@ def test_the_api_request_digest_is_the_workers_plan_key_without_device():
         assert request_digest(api) == key.request
         assert request_digest(key.to_json()) == key.request != key.digest
     assert plan_request(job(of="y", wrt="x", kind="svd", rank=2), SHAPES) is None   # only dense kinds are planned
+
+
+def test_a_chunk_size_the_plan_ran_is_quoted_at_its_measured_peak():
+    """The memory line is a bound through every peak (above most); a size the plan ran is quoted at the largest
+    peak measured at it, the line only where nothing was measured."""
+    plan = Plan.from_json(_plan(_key()))
+    plan.strategies["vectorized"].peaks = {16: 2100}
+    measured = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert measured.predicted_chunk_rows == 16 and measured.predicted_peak_bytes == 2100
+    other = quote(job(of="y", wrt="x", chunk_rows=8), SIG, {}, SHAPES, plan=plan.to_json())
+    assert other.predicted_peak_bytes == 1000 + 100 * 8

@@ -378,7 +378,8 @@ class ChunkRun:
                "fixed_bytes": int(memory.fixed) if memory else None,
                "rows_per_second": {str(s): r for s, r in sorted(record.rates.items())},
                "timed_rows": sorted(ladder.timed) if ladder else sorted(record.rates),
-               "chunks_run": [[size, before] for size, before in sorted(self.chunks_run.items())]}
+               "chunks_run": [[size, before] for size, before in sorted(self.chunks_run.items())],
+               "peaks": {str(size): peak for size, peak in sorted(ladder.peaks.items())} if ladder else {}}
         changed = any(self.status.get(f) != new[f] for f in ("strategy", "chunk_rows"))
         self.status.update(new)
         if changed and self.on_plan and not final:

@@ -1,0 +1,75 @@
+"""Quotes against what the job then measured (issue 25): on each architecture, a cold ``jacobian compute``
+makes the plan, ``jacobian compute --dry-run`` quotes the same request from it, and a warm run measures;
+the quote's ``predicted_peak_bytes`` (at its ``predicted_chunk_rows``) is compared with the peak the warm run
+measured at that chunk size (the manifest's ``plan.peaks``), and ``predicted_seconds`` with the warm run's
+compute seconds. Goal: the peak within 25 %. Also the quote's own wall time as a process (no TensorFlow).
+
+Run: .venv/bin/python -m bench.bench_quote [--models mobilenet_softmax,efficientnet,transformer,lstm,conv1d]
+     [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from bench.bench_cold import ARCHS, build_model, run
+from bench.common import emit, machine
+from tests.procs import base_env, jacobian_exe
+
+DEFAULT = ("mobilenet_softmax", "efficientnet", "transformer", "lstm", "conv1d")
+
+
+def one(name: str, work: Path) -> dict:
+    model_dir, of, wrt = build_model(name, work)
+    env = {**base_env(), "JACOBIAN_CACHE_DIR": str(work / "cache")}
+    base = [*jacobian_exe(), "compute", "--model", str(model_dir), "--input", str(work / "inputs.npz"),
+            "--of", of, "--wrt", wrt, "--out", str(work / "results")]
+    cold = run([*base, "--job-id", "cold"], env, f"{name}: cold")
+    quoted = run([*base, "--job-id", "quote", "--dry-run"], env, f"{name}: dry run")
+    quote = json.loads(quoted["stdout"])
+    warm = run([*base, "--job-id", "warm"], env, f"{name}: warm")
+    plan = json.loads((work / "results" / "warm" / "manifest.json").read_text()).get("plan") or {}
+    k = quote.get("predicted_chunk_rows")
+    peaks = {int(s): int(p) for s, p in (plan.get("peaks") or {}).items()}
+    measured = peaks.get(k) if k is not None else None
+    predicted = quote.get("predicted_peak_bytes")
+    row = {"model": name, "guess": quote.get("guess"), "strategy": quote.get("strategy"),
+           "predicted_chunk_rows": k, "warm_chunk_rows": plan.get("chunk_rows"),
+           "predicted_peak_MiB": None if predicted is None else round(predicted / 2**20, 1),
+           "measured_peak_MiB": None if measured is None else round(measured / 2**20, 1),
+           "peak_predicted/measured": None if not (predicted and measured) else round(predicted / measured, 3),
+           "predicted_s": quote.get("predicted_seconds"), "warm_compute_s": plan.get("run_seconds"),
+           "cold_s": cold["wall_s"], "warm_s": warm["wall_s"], "quote_process_s": quoted["wall_s"],
+           "measured_peaks_MiB": {s: round(p / 2**20, 1) for s, p in sorted(peaks.items())}}
+    if measured is None:
+        row["note"] = f"the warm run did not run the quoted chunk size {k} (it ran {sorted(peaks)})"
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(DEFAULT), help=f"comma-separated, of {', '.join(ARCHS)}")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    print(machine(), flush=True)
+    rows = []
+    for name in args.models.split(","):
+        work = Path(tempfile.mkdtemp(prefix=f"bench-quote-{name}-"))
+        try:
+            rows.append(one(name, work))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    within = [r for r in rows if r["peak_predicted/measured"] is not None]
+    rows.append({"summary": f"peak within 25 % on {sum(0.75 <= r['peak_predicted/measured'] <= 1.25 for r in within)}"
+                            f" of {len(within)} models compared ({len(rows) - len(within)} not comparable)"})
+    print(rows[-1], flush=True)
+    emit("quotes", rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
