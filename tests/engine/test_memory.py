@@ -101,13 +101,16 @@ def test_injected_oom_halves_the_chunk_and_the_job_finishes(loaded):
 def test_oom_at_one_row_is_a_clear_error(loaded):
     from worker.engine import MemoryBudgetTooSmall
 
-    with pytest.raises(MemoryBudgetTooSmall, match="memory_budget_bytes: out of memory even at one row"):
+    with pytest.raises(MemoryBudgetTooSmall, match="memory_budget_bytes: out of memory even at one row") as info:
         compute_in_memory(loaded("mlp"), {"x": rand((3, 8))}, chunk_rows=4, probe=InjectedProbe(oom_above_rows=0),
                           strategy="vectorized")
+    assert "cannot be split further" in str(info.value), info.value
 
 
 def test_budget_below_one_row_is_refused(wide_mlp):
     from worker.engine import MemoryBudgetTooSmall
 
-    with pytest.raises(MemoryBudgetTooSmall, match="raise memory_budget_bytes to at least"):
+    with pytest.raises(MemoryBudgetTooSmall, match="raise memory_budget_bytes to at least") as info:
         _run(wide_mlp, {"x": rand((64, 256))}, 64, memory_budget_bytes=1000)
+    # why a row is the smallest unit (no rematerialisation of a SavedModel's one graph), and what asks for less
+    assert "cannot rematerialise" in str(info.value) and "kind 'vjp'" in str(info.value), info.value

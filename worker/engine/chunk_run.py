@@ -18,7 +18,15 @@ from worker.engine.errors import EngineError, MemoryBudgetTooSmall
 from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
 from worker.engine.memory import MemoryProbe
 from worker.engine.plan import Plan, parse_label
-from worker.engine.planner import LinearFit, bucket_rows, check_one_row_fits, fit_bound, fit_linear, plan_chunk
+from worker.engine.planner import (
+    LESS_THAN_A_ROW,
+    LinearFit,
+    bucket_rows,
+    check_one_row_fits,
+    fit_bound,
+    fit_linear,
+    plan_chunk,
+)
 from worker.engine.problem import Problem, error_summary
 from worker.engine.strategies import ChunkKey, chunk_function, is_compiled
 
@@ -332,8 +340,9 @@ class ChunkRun:
         """After an OOM (or a peak near the limit) at ``k`` rows: halve, and correct the memory line
         so that this and later jobs plan below ``k``. Raises MemoryBudgetTooSmall at one row."""
         if k <= 1:
-            raise MemoryBudgetTooSmall("memory_budget_bytes: out of memory even at one row per chunk; "
-                                       "free device memory or raise memory_budget_bytes", field="memory_budget_bytes")
+            raise MemoryBudgetTooSmall("memory_budget_bytes: out of memory even at one row per chunk; free device "
+                                       f"memory or raise memory_budget_bytes; {LESS_THAN_A_ROW}",
+                                       field="memory_budget_bytes")
         half = k // 2
         self.k_cap[label] = half
         record = self.plan.record(label)

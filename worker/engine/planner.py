@@ -56,6 +56,15 @@ def fit_bound(points: dict[int, float], *, floor_per_row: float = 0.0) -> Linear
 
 
 
+# Why a row is the smallest unit, and what asks for less: rematerialisation (recomputing activations instead of
+# keeping them, ``tf.recompute_grad``) checkpoints between Python-level blocks of a model, and a SavedModel's
+# signature is one traced graph with no such blocks, so one row's backward pass keeps the whole forward pass.
+LESS_THAN_A_ROW = ("one row cannot be split further (its backward pass keeps the model's activations; a "
+                   "SavedModel signature is one graph that TensorFlow cannot rematerialise by blocks), so ask for "
+                   "less than whole rows: kind 'vjp' with the rows you need as seeds, 'svd' or 'jvp', sparsity "
+                   "'auto', or batch_jacobian for a model whose examples are independent")
+
+
 def check_one_row_fits(memory: LinearFit, *, free_bytes: int, budget_bytes: int | None, safety: float) -> float:
     """The usable bytes, ``safety * min(free, budget)``; raises MemoryBudgetTooSmall when one row does not fit."""
     limit = free_bytes if budget_bytes is None else min(free_bytes, budget_bytes)
@@ -66,7 +75,8 @@ def check_one_row_fits(memory: LinearFit, *, free_bytes: int, budget_bytes: int 
         where = (f"memory_budget_bytes={budget_bytes}" if field else f"{free_bytes} free bytes")
         raise MemoryBudgetTooSmall(
             f"one Jacobian row needs about {need} bytes but only {where} are available; "
-            f"raise memory_budget_bytes to at least {need} or free device memory", field=field or "memory_budget_bytes")
+            f"raise memory_budget_bytes to at least {need} or free device memory; {LESS_THAN_A_ROW}",
+            field=field or "memory_budget_bytes")
     return usable
 
 
