@@ -281,7 +281,8 @@ def check_sparsity_wrt(options: JobOptions, wrt: str, sig: Signature) -> None:
                              field="sparsity")
 
 
-def check_pattern_from(sparsity: Any, store: JobStore, *, model: ModelRef, of: str, wrt: str) -> None:
+def check_pattern_from(sparsity: Any, store: JobStore, *, model: ModelRef, of: str, wrt: str,
+                       kind: str = "jacobian") -> None:
     """``sparsity: {"pattern_from": id}`` names an earlier job that is in the job store, has succeeded, and
     computed the same Jacobian: a ``jacobian`` of the same model directory, signature, ``of`` and ``wrt``
     (its non-zeros are this job's pattern). Anything else is ``InvalidRequest`` (422) naming the field."""
@@ -299,9 +300,9 @@ def check_pattern_from(sparsity: Any, store: JobStore, *, model: ModelRef, of: s
     spec = record.spec
     earlier = {"model": (spec.get("model") or {}).get("path"), "signature": (spec.get("model") or {}).get("signature"),
                "kind": spec.get("kind"), "of": spec.get("of"), "wrt": spec.get("wrt")}
-    this = {"model": model.path, "signature": model.signature, "kind": "jacobian", "of": of, "wrt": wrt}
+    this = {"model": model.path, "signature": model.signature, "kind": kind, "of": of, "wrt": wrt}
     differ = [f"{k} {earlier[k]!r} (this job: {this[k]!r})" for k in this if earlier[k] != this[k]]
     if differ:
-        raise InvalidRequest(f"{field}: job {job_id!r} computed another Jacobian: {'; '.join(differ)}; give a job of "
-                             "kind 'jacobian' on the same model, signature, of and wrt, or use sparsity='auto'",
+        raise InvalidRequest(f"{field}: job {job_id!r} computed another matrix: {'; '.join(differ)}; give a job of "
+                             f"kind {kind!r} on the same model, signature, of and wrt, or use sparsity='auto'",
                              field=field)

@@ -21,7 +21,8 @@ def dry_run(body: bytes, media: str, query: Mapping[str, str], *, settings: Sett
     Redis for this request when there is one."""
     queued, arrays = validate(body, media, query, settings)
     check_notify(queued.notify, settings, api_key)
-    checks.check_pattern_from(queued.sparsity, store, model=queued.model, of=queued.of or "", wrt=str(queued.wrt))
+    checks.check_pattern_from(queued.sparsity, store, model=queued.model, of=queued.of or "",
+                              wrt=str(queued.wrt), kind=queued.kind.value)
     _, info, sig = load_signature(queued.model.path, queued.model.signature, settings.model_roots,
                                   op_allow=settings.model_op_allow, path_field="model.path",
                                   signature_field="model.signature")

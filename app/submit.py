@@ -78,7 +78,8 @@ def submit(body: bytes, media: str, query: Mapping[str, str], *, settings: Setti
     check_notify(queued.notify, settings, api_key)
     if api_key is not None:
         queued = queued.model_copy(update={"api_key": api_key.name})
-    checks.check_pattern_from(queued.sparsity, store, model=queued.model, of=queued.of or "", wrt=str(queued.wrt))
+    checks.check_pattern_from(queued.sparsity, store, model=queued.model, of=queued.of or "",
+                              wrt=str(queued.wrt), kind=queued.kind.value)
     body_hash = fingerprint(queued, arrays)
     job_id = uuid.uuid4().hex
     if idempotency_key is not None:

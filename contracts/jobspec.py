@@ -50,6 +50,7 @@ class Kind(str, Enum):
     fisher_vp = "fisher_vp"
     ggn_eig = "ggn_eig"
     ggn_trace = "ggn_trace"
+    ggn_diag = "ggn_diag"
     ihvp = "ihvp"
     hessian_diag = "hessian_diag"
     spectral_density = "spectral_density"
@@ -198,9 +199,10 @@ class JobOptions(BaseModel):
                                     "result.warning saying so (default false: such a job fails NotConverged)")
     samples: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_trace: Hessian-vector products "
                                 "to spend (default 100; at least the wrt size gives the exact trace)")
-    probes: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_diag: Rademacher probes of "
-                               f"Hutchinson's estimate (default {estimators.DIAGONAL_PROBES}; the exact diagonal when "
-                               f"the wrt size is at most {estimators.EXACT_DIAGONAL_MAX} or probes >= it); "
+    probes: int | None = Field(None, ge=2, le=MAX_CHUNK_ROWS, description="hessian_diag, ggn_diag: Rademacher "
+                               f"probes of Hutchinson's estimate (default {estimators.DIAGONAL_PROBES}; the exact "
+                               f"diagonal when the wrt size is at most {estimators.EXACT_DIAGONAL_MAX} or probes >= "
+                               "it); "
                                "spectral_density, logdet: start vectors of the Lanczos quadrature (default "
                                f"{estimators.SLQ_PROBES}; probes >= the wrt size: its unit vectors, no sampling error)")
     steps: int | None = Field(None, ge=1, le=estimators.MAX_STEPS, description="spectral_density, logdet: Lanczos "
@@ -213,10 +215,11 @@ class JobOptions(BaseModel):
         "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
         "rounded to 10 bits of mantissa (about 1e-3 relative). No effect on the CPU")
     sparsity: Sparsity | None = Field(
-        None, description="kind 'jacobian' with one input as wrt: compute J by colouring its sparsity pattern and "
-        "store it as COO (arrays rows, cols, values; see README 'Sparse Jacobians'). null: dense (the default); "
-        "'auto': the pattern detected from the model's graph; {'pattern_uri': url}: given as an .npz of rows "
-        "and cols; {'pattern_from': job id}: the non-zeros of an earlier job's result")
+        None, description="kind 'jacobian' or 'hessian' with one input as wrt: compute J (or H) by colouring its "
+        "sparsity pattern and store it as COO (arrays rows, cols, values; see README 'Sparse Jacobians'; a Hessian: "
+        "star colouring, one HVP per colour, symmetric recovery). null: dense (the default); 'auto': the pattern "
+        "detected from the model's graph (a Hessian's: from the gradient's graph); {'pattern_uri': url}: given as "
+        "an .npz of rows and cols; {'pattern_from': job id}: the non-zeros of an earlier job's result")
     notify: Notify | None = Field(
         None, description="webhooks: {'url': ..., 'events': ['succeeded', 'failed', 'canceled', 'progress']}; each "
         "event POSTed to url, signed as Standard Webhooks (webhook-id, webhook-timestamp, webhook-signature) with "
@@ -224,9 +227,10 @@ class JobOptions(BaseModel):
         "by JACOBIAN_WEBHOOK_ALLOW")
 
     loss: Literal[LOSSES] | None = Field(  # type: ignore[valid-type]
-        None, description="ggn_vp, fisher_vp, ggn_eig, ggn_trace, ihvp with curvature 'ggn': the loss L on the output "
-        "of, as Keras computes it (the mean over examples): 'mse' (of: predictions), 'softmax_cross_entropy' (of: "
-        "logits, classes on the last axis), 'sigmoid_cross_entropy' (of: logits); see README 'Curvature kinds'")
+        None, description="ggn_vp, fisher_vp, ggn_eig, ggn_trace, ggn_diag, ihvp with curvature 'ggn': the loss L "
+        "on the output of, as Keras computes it (the mean over examples): 'mse' (of: predictions), "
+        "'softmax_cross_entropy' (of: logits, classes on the last axis), 'sigmoid_cross_entropy' (of: logits); see "
+        "README 'Curvature kinds'")
     labels: str | None = Field(None, min_length=1, description="fisher_vp: the name of the input that holds the "
                                "labels (an entry of inputs, or an .npz member, besides the signature's inputs; or a "
                                "signature input): of's shape, or for softmax_cross_entropy integer classes of "
@@ -307,10 +311,11 @@ class JobOptions(BaseModel):
                              + ", ".join(repr(c) for c in CURVATURES if multiplies(spec, c).curvature))
 
     def _check_sparsity(self) -> None:
-        """``sparsity`` only for kind ``jacobian`` with respect to one signature input."""
+        """``sparsity`` only for the kinds that take it (``jacobian``, ``hessian``) with respect to one signature
+        input."""
         if not kind_spec(self.kind.value).sparsity:
             sparse = " or ".join(repr(k) for k in kinds_where(sparsity=True))
-            raise ValueError(f"sparsity: only for kind {sparse} (a sparse result is J's non-zeros), not "
+            raise ValueError(f"sparsity: only for kind {sparse} (a sparse result is the matrix's non-zeros), not "
                              f"{self.kind.value!r}; remove sparsity or use kind={sparse}")
         if isinstance(self.wrt, list) or (self.wrt or "").startswith("variables/"):
             raise ValueError(f"sparsity: works with respect to one signature input, not {self.wrt!r}; name one "

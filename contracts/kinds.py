@@ -111,6 +111,8 @@ _GGN_EIG = Spectrum("lanczos", "Eigenvalues of the Gauss-Newton matrix of the lo
                     counted="eigenpairs", order="k (largest magnitude first)", residual="residual ||G v - λ v||")
 _GGN_TRACE = Spectrum("trace_estimate", "Trace of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "tr(G)")
 _DIAG = Spectrum("diagonal", "Diagonal of the Hessian of {of} w.r.t. {wrt}", "H_ii", order="i (flat wrt index)")
+_GGN_DIAG = Spectrum("diagonal", "Diagonal of the Gauss-Newton matrix of the loss of {of} w.r.t. {wrt}", "G_ii",
+                     order="i (flat wrt index)")
 _DENSITY = Spectrum("slq_density", "Spectral density of the Hessian of {of} w.r.t. {wrt}", "density",
                     order="eigenvalue")
 _LOGDET = Spectrum("slq_logdet", "log det(H + damping·I) of {of} w.r.t. {wrt}", "log det")
@@ -127,7 +129,8 @@ _SPECS = (
     KindSpec("batch_jacobian", Family.dense, ("jacobian",), (("batch", "of", "wrt"),),
              "per example, shape (B,) + of.shape[1:] + wrt.shape[1:]", batch_axis=True),
     KindSpec("hessian", Family.dense, ("jacobian",), (("wrt", "wrt2"),),
-             "d2 of / d wrt2 of a scalar of, shape wrt.shape + wrt.shape", scalar_of=True),
+             "d2 of / d wrt2 of a scalar of, shape wrt.shape + wrt.shape", scalar_of=True, sparsity=True,
+             sparse_unit="colours"),
     KindSpec("jvp", Family.products, ("products",), (("seed", "of"),), "J v for each seed v: (k,) + of.shape",
              seeds="wrt", preview="products", symbol="J v", product_axes="of", routes=("forward", "reverse")),
     KindSpec("vjp", Family.products, ("products",), (("seed", "wrt"),), "v^T J for each seed v: (k,) + wrt.shape",
@@ -169,6 +172,10 @@ _SPECS = (
              "diag(H): exact by unit-vector HVPs, else Hutchinson's estimate with a per-entry stderr",
              scalar_of=True, fields=("probes",), shards=None, resume=None, preview="spectrum", spectrum=_DIAG,
              applies="hvp"),
+    KindSpec("ggn_diag", Family.spectral, ("diagonal", "stderr"), (("wrt",), ("wrt",)),
+             "diag(G) of the Gauss-Newton matrix: exact by unit-vector G v products, else Hutchinson's estimate with a "
+             "per-entry stderr", fields=("loss", "probes"), required=("loss",), shards=None, resume=None,
+             preview="spectrum", spectrum=_GGN_DIAG, applies="ggn_vp"),
     KindSpec("spectral_density", Family.spectral, ("density", "grid", "nodes", "weights"),
              (("grid",), ("grid",), ("probe", "step"), ("probe", "step")),
              "the eigenvalue density of H by stochastic Lanczos quadrature", scalar_of=True,

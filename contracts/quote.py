@@ -165,9 +165,10 @@ def _passes(kind: KindSpec, spec: QueuedJob, mode: str, of_shape: tuple | None, 
         return Passes(unit="products", count=2 * width, estimate=True,
                       note=f"per subspace iteration (J v and vᵀ J for a block of {width}); iterations until tol")
     if spec.sparsity is not None:
-        bound = _elements(wrt_shape if mode == "forward" else of_shape)
+        bound = _elements(wrt_shape if mode == "forward" or kind.scalar_of else of_shape)
+        what = "colours (one HVP each)" if kind.scalar_of else "colours"
         return Passes(unit="colours", count=None, estimate=True,
-                      note=f"the pattern's colours, unknown before it is found (at most {bound}, the dense rows)")
+                      note=f"the pattern's {what}, unknown before it is found (at most {bound}, the dense rows)")
     if of_shape is None or wrt_shape is None:
         return Passes(unit="rows", count=None, estimate=True, note="the shapes are known only when the model runs")
     if kind.scalar_of:

@@ -10,9 +10,10 @@ from typing import Any
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparsity", metavar="auto|pattern_from:JOB|FILE.npz",
-                   help="kind jacobian: compute the Jacobian as a sparse matrix (COO) from a colouring of its "
-                        "pattern: 'auto' detects the pattern from the graph; 'pattern_from:JOB' takes the entries "
-                        "of an earlier result under --out; a path or URL of an .npz (rows, cols) gives it")
+                   help="kind jacobian or hessian: compute the matrix as a sparse matrix (COO) from a colouring of "
+                        "its pattern (a Hessian: star colouring, one HVP per colour): 'auto' detects the pattern "
+                        "from the graph; 'pattern_from:JOB' takes the entries of an earlier result under --out; a "
+                        "path or URL of an .npz (rows, cols) gives it")
 
 
 def parse_sparsity(text: str | None) -> Any:

@@ -82,6 +82,19 @@ class SparseSetup:
     colouring: Any
     summary: dict[str, Any]
     run: SparseRun
+    hessian: bool = False   # a Hessian (kind with a scalar of): HVPs of the colours, H u to verify
+
+    @property
+    def product(self) -> str:
+        """The product kind of a colour: ``hvp`` (a Hessian), ``jvp`` (columns coloured) or ``vjp`` (rows)."""
+        if self.hessian:
+            return "hvp"
+        return "jvp" if self.colouring.mode == "forward" else "vjp"
+
+    @property
+    def width(self) -> int:
+        """The length of one compressed product."""
+        return self.op.n_wrt if self.hessian or self.colouring.mode != "forward" else self.op.n_of
 
     @property
     def stamp(self) -> str:
@@ -93,35 +106,39 @@ def prepare_sparse(ctx: RunContext, *, shared_cache: Any = None, check_host: boo
     """The pattern (cached per model and shapes) and its colouring, or a ``DenseInstead`` saying why the sparse
     route does not pay. ``check_host=False`` (a shard, which holds only its own colours) skips the bound on the
     host memory the products take. Raises ``EngineError`` (``InvalidRequest`` naming ``sparsity``)."""
+    from contracts.kinds import kind_spec
     from worker.engine.matfree import build_operator
     from worker.engine.plan_cache import default_cache_dir
     from worker.engine.sparsity import compressed
     from worker.engine.sparsity.patterns import cache_key
 
     job, probe, budget_bytes = ctx.job, ctx.probe, ctx.budget_bytes
+    hessian = kind_spec(job.kind).scalar_of
     sparsity = job.sparsity.model_dump() if hasattr(job.sparsity, "model_dump") else job.sparsity
     wrt = job.wrt if isinstance(job.wrt, str) or job.wrt is None else job.wrt[0]
     model, inputs = ctx.load_model(), ctx.load_inputs()
     source = source_of(sparsity)
     run = SparseRun()
-    op = build_operator(model, inputs, of=job.of, wrt=wrt, output_dtype=job.output_dtype)
+    op = build_operator(model, inputs, of=job.of, wrt=wrt, output_dtype=job.output_dtype,
+                        kind="hvp" if hessian else None, reduce=getattr(job, "reduce", None) if hessian else None)
     _check_wrt(op)
     wrt_name = op.axis.names[0]
-    n_of, n_wrt = op.n_of, op.n_wrt
+    n_of, n_wrt = (op.n_wrt if hessian else op.n_of), op.n_wrt
     t0 = time.monotonic()
     cache = pattern_cache(ctx.cache_dir or str(default_cache_dir()), shared_cache)
     arrays = {n: np.asarray(v) for n, v in inputs.items()}
-    key = cache_key(model, arrays, of=op.of, wrt=wrt_name) if source == "auto" else ""
+    key = cache_key(model, arrays, of=f"{op.of} (hessian)" if hessian else op.of, wrt=wrt_name) \
+        if source == "auto" else ""
     no_rule: dict[str, str] = {}
     pattern, colouring, reason = find_pattern(model, op, arrays, sparsity, source, (n_of, n_wrt), cache, key,
-                                          ctx.previous_result, wrt_name, no_rule)
+                                          ctx.previous_result, wrt_name, no_rule, hessian=hessian)
     run.timed("pattern", t0)
     named = {"no_rule": no_rule} if no_rule else {}
     if pattern is None:
         return DenseInstead({"source": source, "nnz": None, "density": None, "colors": None, "verified": False,
                              "fallback": reason + no_rule_note(no_rule), **named, "seconds": run.seconds})
     t0 = time.monotonic()
-    sp_plan = compressed.plan(pattern, colouring)
+    sp_plan = compressed.plan(pattern, colouring, symmetric=hessian)
     run.timed("colouring", t0)
     if source == "auto" and colouring is None and sp_plan.colouring is not None:
         cache.put(key, pattern, tuple(op.of_shape), sp_plan.colouring, no_rule)
@@ -139,7 +156,10 @@ def prepare_sparse(ctx: RunContext, *, shared_cache: Any = None, check_host: boo
         if budget_bytes is None and not getattr(probe, "is_gpu", False):
             budget_bytes = HOST_CALL_BYTES
         op.plan_memory(probe, budget_bytes)
-    return SparseSetup(op, compressed.sorted_pattern(pattern), sp_plan.colouring, summary, run)
+    if hessian:
+        summary["colouring"] = "star (symmetric recovery)" if sp_plan.colouring.mode == "star" else \
+            "distance-2 of the columns (direct recovery)"
+    return SparseSetup(op, compressed.sorted_pattern(pattern), sp_plan.colouring, summary, run, hessian)
 
 
 def conclude_sparse(ctx: RunContext, setup: SparseSetup, products: np.ndarray, *,
@@ -151,19 +171,21 @@ def conclude_sparse(ctx: RunContext, setup: SparseSetup, products: np.ndarray, *
 
     job, op, colouring, summary = ctx.job, setup.op, setup.colouring, setup.summary
     t0 = time.monotonic()
-    ok, worst = compressed.verify(op, setup.pattern, colouring, products)
+    ok, worst = compressed.verify(op, setup.pattern, colouring, products,
+                                  direct_kind="hvp" if setup.hessian else "vjp")
     setup.run.timed("verify", t0)
     summary.update(verified=ok, verify_difference=float(f"{worst:.3g}"), seconds=setup.run.seconds,
-                   products=int(colouring.count), label=op.labels.get("jvp") or op.labels.get("vjp"))
+                   products=int(colouring.count), label=op.labels.get(setup.product))
     if not ok:
         log.warning("job %s: the sparse result failed verification (relative difference %.3g): computing densely",
                     job.id, worst)
-        summary["fallback"] = (f"dense: u^T J from the sparse result differs from direct VJPs by {worst:.3g} of "
+        direct = "HVPs" if setup.hessian else "VJPs"
+        summary["fallback"] = (f"dense: u^T J from the sparse result differs from direct {direct} by {worst:.3g} of "
                                "its largest: the pattern misses entries")
         return DenseInstead(summary)
     return _write(op, setup.pattern, colouring, products, summary, results_url=job.results_url, job_id=job.id,
                   created_at=ctx.created_at, manifest_fields={"model": ctx.model_ref(), **ctx.manifest_fields},
-                  run=setup.run, plan_fields=plan)
+                  run=setup.run, plan_fields=plan, kind=_kind(job))
 
 
 COMPRESSED_ARRAY = "compressed"   # the compressed products while they are computed; replaced by the COO arrays
@@ -189,10 +211,10 @@ def compressed_writer(ctx: RunContext, setup: SparseSetup, *, rows: tuple[int, i
     from worker.storage import ResultWriter
 
     job, op, colouring = ctx.job, setup.op, setup.colouring
-    width = op.n_of if colouring.mode == "forward" else op.n_wrt
+    width = setup.width
     dtype = np.dtype(op.compute_dtype)
     layout = ResultLayout((colouring.count, width), 0, 1, dtype.itemsize)
-    attrs = {"kind": "jacobian", "stage": "compressed products", "mode": colouring.mode, "colouring": setup.stamp}
+    attrs = {"kind": _kind(job), "stage": "compressed products", "mode": colouring.mode, "colouring": setup.stamp}
     if create:
         _forget_other_colouring(job.results_url, job.id, setup.stamp)
     writer = ResultWriter(job.results_url, job.id, layout=layout, dtype=dtype, attrs=attrs, array=COMPRESSED_ARRAY,
@@ -225,7 +247,7 @@ def compute_compressed(ctx: RunContext, setup: SparseSetup, writer: Any,
     report = ctx.counter(writer.rows_total)
     done = {"colours": writer.rows_committed}
     report(done["colours"])
-    kind = "jvp" if colouring.mode == "forward" else "vjp"
+    kind = setup.product
     seeds = colouring.seeds(op.compute_dtype)
     try:
         for start, stop in ranges:
@@ -265,6 +287,11 @@ def _forget_other_colouring(results_url: str, job_id: str, stamp: str) -> None:
         storage.delete_prefix(storage.join(base, RESULT_GROUP))
 
 
+def _kind(job: Any) -> str:
+    """The job's kind name, as the result group and the manifest say it."""
+    return str(getattr(job.kind, "value", job.kind))
+
+
 def _host_free(probe: Any) -> int | None:
     try:
         return int(probe.host_free_bytes()) if probe is not None else None
@@ -282,12 +309,13 @@ def _check_wrt(op: Any) -> None:
 
 def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary: dict[str, Any], *,
            results_url: str, job_id: str, created_at: float | None, manifest_fields: dict[str, Any] | None,
-           run: SparseRun, plan_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+           run: SparseRun, plan_fields: dict[str, Any] | None = None, kind: str = "jacobian") -> dict[str, Any]:
     """The COO arrays written chunk by chunk (entries computed per storage chunk), the group sealed, the
     manifest last; ``plan_fields`` added to the plan (a sharded job's ``shards``)."""
     import zarr
     from zarr.codecs import ZstdCodec
 
+    from contracts.kinds import kind_spec
     from worker.engine.sparsity.compressed import entries
 
     t0 = time.monotonic()
@@ -296,15 +324,16 @@ def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary:
     dtype = np.dtype(op.dtype)
     n_of, n_wrt = pattern.shape
     nnz = int(pattern.nnz)
-    attrs = jsonable({**op.attrs(), "wrt": op.axis.names[0], "kind": "jacobian", "format": "coo",
-                      "shape": [n_of, n_wrt], "of_shape": list(op.of_shape), "wrt_shape": list(op.axis.shape),
+    of_shape = list(op.axis.shape) if n_of == n_wrt and kind_spec(kind).scalar_of else list(op.of_shape)  # H's rows
+    attrs = jsonable({**op.attrs(), "wrt": op.axis.names[0], "kind": kind, "format": "coo",
+                      "shape": [n_of, n_wrt], "of_shape": of_shape, "wrt_shape": list(op.axis.shape),
                       "sparsity": summary})
     group = zarr.create_group(store=storage.zarr_store(group_url, read_only=False), attributes=attrs, overwrite=True)
     storage.delete_prefix(storage.join(base, COMMITTED_DIR))   # the compressed products' markers: replaced
     chunk = max(1, min(ENTRIES_PER_CHUNK, nnz))
     made = {}
-    for name, kind in (("rows", np.int64), ("cols", np.int64), ("values", dtype)):
-        made[name] = group.create_array(name, shape=(nnz,), chunks=(chunk,), dtype=kind, fill_value=0,
+    for name, of_type in (("rows", np.int64), ("cols", np.int64), ("values", dtype)):
+        made[name] = group.create_array(name, shape=(nnz,), chunks=(chunk,), dtype=of_type, fill_value=0,
                                         dimension_names=["nnz"], compressors=[ZstdCodec(level=1)], attributes={})
     indptr = group.create_array("indptr", shape=(n_of + 1,), chunks=(min(n_of + 1, ENTRIES_PER_CHUNK),),
                                 dtype=np.int64, fill_value=0, dimension_names=["row_ptr"],
@@ -321,12 +350,12 @@ def _write(op: Any, pattern: Any, colouring: Any, products: np.ndarray, summary:
         made["values"][lo:hi] = values[cut]
     run.timed("write", t0)
     finished, created = iso_time(time.time()), iso_time(created_at or time.time())
-    plan = {"kind": "jacobian", "strategy": "sparse", "mode": colouring.mode, "shards": 1,
+    plan = {"kind": kind, "strategy": "sparse", "mode": colouring.mode, "shards": 1,
             "labels": dict(op.labels), "oom_retries": op.oom_retries, "sparsity": summary, **(plan_fields or {})}
     result_group.seal(group_url, {"plan": jsonable(plan), "created_at": created, "finished_at": finished})
-    manifest = {"id": job_id, "uri": group_url, "format": "coo", "array": "values", "kind": "jacobian",
+    manifest = {"id": job_id, "uri": group_url, "format": "coo", "array": "values", "kind": kind,
                 "shape": [nnz], "dense_shape": [n_of, n_wrt], "dtype": str(dtype), "of": op.of,
-                "wrt": op.axis.names[0], "of_shape": list(op.of_shape), "wrt_shape": list(op.axis.shape),
+                "wrt": op.axis.names[0], "of_shape": of_shape, "wrt_shape": list(op.axis.shape),
                 "sparsity": summary, "plan": plan,
                 "arrays": {"rows": [nnz], "cols": [nnz], "values": [nnz], "indptr": [n_of + 1]},
                 "model": {"path": op.model.path, "signature": op.model.signature},

@@ -39,10 +39,27 @@ def no_rule_note(no_rule: dict[str, str]) -> str:
 
 def find_pattern(model: Any, op: Any, arrays: dict[str, np.ndarray], sparsity: Any, source: str,
                  shape: tuple[int, int], cache: Any, key: str, previous: Callable[[str], Any] | None,
-                 wrt: str, no_rule: dict[str, str]) -> tuple[Any, Any, str]:
+                 wrt: str, no_rule: dict[str, str], *, hessian: bool = False) -> tuple[Any, Any, str]:
     """``(pattern, colouring or None, "")``, or ``(None, None, why)`` when detection could not find it;
     ``key``: the cache key of an ``auto`` pattern; ``no_rule`` is filled with the ops detection gave the
-    conservative rule (``walk.detect``)."""
+    conservative rule (``walk.detect``). ``hessian``: the pattern of the Hessian (``hessian.detect``: the walk of
+    the gradient's graph, symmetrized); a given one is symmetrized too."""
+    from worker.engine.sparsity import hessian as hessians
+    from worker.engine.sparsity import walk
+
+    if hessian:
+        pattern, colouring, why = _find(model, op, arrays, sparsity, source, shape, cache, key, previous, wrt,
+                                        no_rule, detect=lambda: hessians.detect(model, arrays, of=op.of, wrt=wrt,
+                                                                               no_rule=no_rule))
+        return (hessians.symmetrized(pattern) if pattern is not None and colouring is None else pattern), \
+            colouring, why
+    return _find(model, op, arrays, sparsity, source, shape, cache, key, previous, wrt, no_rule,
+                 detect=lambda: walk.detect(model, arrays, of=op.of, wrt=wrt, no_rule=no_rule)[0])
+
+
+def _find(model: Any, op: Any, arrays: dict[str, np.ndarray], sparsity: Any, source: str, shape: tuple[int, int],
+          cache: Any, key: str, previous: Callable[[str], Any] | None, wrt: str, no_rule: dict[str, str], *,
+          detect: Callable[[], Any]) -> tuple[Any, Any, str]:
     from worker.engine.sparsity import patterns, walk
 
     if source == "auto":
@@ -51,7 +68,7 @@ def find_pattern(model: Any, op: Any, arrays: dict[str, np.ndarray], sparsity: A
             no_rule.update(hit.no_rule)
             return hit.pattern, hit.colouring, ""
         try:
-            pattern, _, _ = walk.detect(model, arrays, of=op.of, wrt=wrt, no_rule=no_rule)
+            pattern = detect()
         except walk.PatternUnknown as err:
             return None, None, f"dense: {err}"
         except MemoryError:

@@ -106,8 +106,8 @@ def test_compute_sparsity_auto_then_pattern_from_and_a_dense_fallback(tmp_path: 
     assert "sparsity: dense: the pattern holds 100.0%" in dense.stderr
     assert zarr.open_array(str(out / "sp3" / "result.zarr" / "jacobian"), mode="r").shape == (1, 3, 1, 6)
     wrong = jacobian_cli("compute", "--model", str(mlp), "--input", str(tmp_path / "x.npz"), "--out", str(out),
-                         "--sparsity", "auto", "--kind", "hessian", "--reduce", "sum")
-    assert wrong.returncode == 2 and "--sparsity: only for kind 'jacobian'" in wrong.stderr
+                         "--sparsity", "auto", "--kind", "batch_jacobian")
+    assert wrong.returncode == 2 and "--sparsity: only for kind 'jacobian' or 'hessian'" in wrong.stderr
 
 
 def test_several_wrt_for_the_dense_kinds_equal_gradient_tape(multi_io_model: Path, tmp_path: Path) -> None:
@@ -240,3 +240,25 @@ def test_an_unconverged_svd_exits_2_unless_allowed_and_then_says_so(tmp_path: Pa
     assert "NOT CONVERGED, kept by --allow-unconverged: not converged" in proc.stderr
     manifest = json.loads((Path(proc.stdout.strip()).parent / "manifest.json").read_text())
     assert manifest["converged"] is False
+
+
+def test_compute_a_sparse_hessian(tmp_path: Path) -> None:
+    """``jacobian compute --kind hessian --sparsity auto`` (issue 27): the COO group equal to the tape Hessian."""
+    import scipy.sparse as sp
+
+    from tests import sparse_hessian_models
+    from tests.engine.reference import tape_hessian
+    from worker.engine import load_model
+
+    path = sparse_hessian_models.separable(tmp_path / "sep", n=40, dtype="float64")
+    x = np.random.default_rng(2).uniform(0.5, 1.5, 40)
+    np.savez(tmp_path / "x.npz", x=x)
+    out = tmp_path / "results"
+    proc = jacobian_cli("compute", "--model", str(path), "--input", str(tmp_path / "x.npz"), "--out", str(out),
+                        "--kind", "hessian", "--of", "f", "--wrt", "x", "--sparsity", "auto", "--job-id", "sh")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 118 non-zeros of 40 x 40" in proc.stderr and "from 3 star products, verified True" in proc.stderr
+    group = zarr.open_group(str(out / "sh" / "result.zarr"), mode="r")
+    got = sp.coo_array((group["values"][...], (group["rows"][...], group["cols"][...])), shape=(40, 40)).toarray()
+    want = tape_hessian(load_model(str(path)), {"x": x}, "f", "x")
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

@@ -79,15 +79,16 @@ def test_sparsity_travels_in_the_spec_from_json_and_from_the_npz_query(client, r
 
 
 def test_sparsity_refused_where_it_does_not_apply(client):
-    refused(client.post("/v1/jobs", json=mlp_body(sparsity="auto", kind="hessian", reduce="sum")), "sparsity",
-            "only for kind 'jacobian'", "remove sparsity")
+    refused(client.post("/v1/jobs", json=mlp_body(sparsity="auto", kind="hessian_diag", reduce="sum")),
+            "sparsity",
+            "only for kind 'jacobian' or 'hessian'", "remove sparsity")
     refused(client.post("/v1/jobs", json=mlp_body(sparsity="auto", wrt="variables/d0/kernel")), "sparsity",
             "one signature input")
     refused(client.post("/v1/jobs", json=mlp_body(sparsity="dense")), "sparsity", "use one of null, 'auto'")
     refused(client.post("/v1/jobs", json=mlp_body(sparsity={"pattern_uri": "p.npz", "x": 1})), "sparsity")
     r = client.post("/v1/jobs", content=npz_body(), headers=NPZ,
                     params={"model_path": "mlp", "sparsity": "auto", "kind": "batch_jacobian"})
-    refused(r, "sparsity", "only for kind 'jacobian'")
+    refused(r, "sparsity", "only for kind 'jacobian' or 'hessian'")
 
 
 def test_pattern_from_names_a_succeeded_job_of_the_same_jacobian(client, redis_conn):
@@ -106,7 +107,7 @@ def test_pattern_from_names_a_succeeded_job_of_the_same_jacobian(client, redis_c
     assert client.post("/v1/jobs", json=multi_io_body(of="u", wrt="a", sparsity={"pattern_from": u_of_a})
                        ).status_code == 202
     refused(client.post("/v1/jobs", json=multi_io_body(of="v", wrt="a", sparsity={"pattern_from": u_of_a})),
-            "sparsity.pattern_from", "computed another Jacobian: of 'u' (this job: 'v')")
+            "sparsity.pattern_from", "computed another matrix: of 'u' (this job: 'v')")
     refused(client.post("/v1/jobs", json=mlp_body(sparsity={"pattern_from": u_of_a})), "sparsity.pattern_from",
             "model ", "multi_io", "same model, signature, of and wrt")
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from tests import sparse_models
+from tests import sparse_hessian_models, sparse_models
 from tests.conftest import finished_job, tensor
 from worker.engine import load_model
 
@@ -27,6 +27,7 @@ def model_root(tmp_path_factory) -> Path:
     sparse_models.mlp(root / "mlp")
     sparse_models.conv1d_net(root / "conv1d", length=64)
     sparse_models.no_rule(root / "no_rule")
+    sparse_hessian_models.arrowhead(root / "arrow", n=24)
     return root
 
 
@@ -150,3 +151,32 @@ def test_a_detected_pattern_is_shared_through_redis(worker_env, redis_conn, mode
     assert second["plan"]["sparsity"]["nnz"] == first["plan"]["sparsity"]["nnz"]
     assert second["plan"]["sparsity"]["verified"] is True
     assert list((tmp_path / "second" / "sparsity").glob("*.npz"))   # kept in the second worker's folder too
+
+
+def test_a_sparse_hessian_job_over_http(client, redis_conn, model_root):
+    """Kind ``hessian`` with ``sparsity: "auto"`` (issue 27): star colouring of an arrowhead (2 HVPs), the COO group
+    equal entry for entry to the tape Hessian, dense rows over HTTP, the status's ``plan.sparsity``."""
+    import scipy.sparse as sp
+    import zarr
+
+    from tests.engine.reference import tape_hessian
+
+    x = np.random.default_rng(8).uniform(0.5, 1.5, 24).astype("float32")
+    want = tape_hessian(load_model(str(model_root / "arrow")), {"x": x}, "f", "x").reshape(24, 24)
+    r = client.post("/v1/jobs", json={"model": {"path": "arrow"}, "inputs": {"x": tensor(x)}, "kind": "hessian",
+                                      "of": "f", "wrt": "x", "sparsity": "auto"})
+    assert r.status_code == 202, r.text
+    record = finished_job(client, redis_conn, r.json()["id"])
+    info = record["plan"]["sparsity"]
+    assert record["plan"]["strategy"] == "sparse" and info["verified"] is True and info["colors"] == 2, info
+    assert info["colouring"].startswith("star") and info["nnz"] == int((want != 0).sum())
+    assert record["result"]["format"] == "coo" and record["result"]["dense_shape"] == [24, 24]
+    group = zarr.open_group(record["result"]["uri"], mode="r")
+    assert group.attrs["kind"] == "hessian"
+    got = sp.coo_array((group["values"][...], (group["rows"][...], group["cols"][...])),
+                       shape=tuple(group.attrs["shape"])).toarray()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    rows = client.get(f"/v1/jobs/{record['id']}/result", params={"rows": "0:3"})
+    assert rows.status_code == 200, rows.text
+    np.testing.assert_allclose(np.load(io.BytesIO(rows.content)).reshape(3, 24), want[:3], rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())

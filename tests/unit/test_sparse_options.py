@@ -54,9 +54,9 @@ def test_other_forms_are_refused_with_the_accepted_ones(value, expected):
 
 
 @pytest.mark.parametrize("options,expected", [
-    ({"kind": "hessian"}, "sparsity: only for kind 'jacobian'"),
-    ({"kind": "batch_jacobian"}, "sparsity: only for kind 'jacobian'"),
-    ({"kind": "jvp", "wrt": ["a", "b"]}, "sparsity: only for kind 'jacobian'"),
+    ({"kind": "hessian_diag"}, "sparsity: only for kind 'jacobian' or 'hessian'"),
+    ({"kind": "batch_jacobian"}, "sparsity: only for kind 'jacobian' or 'hessian'"),
+    ({"kind": "jvp", "wrt": ["a", "b"]}, "sparsity: only for kind 'jacobian' or 'hessian'"),
     ({"wrt": "variables/d0/kernel"}, "sparsity: works with respect to one signature input, not "
                                      "'variables/d0/kernel'; name one input as wrt"),
 ])

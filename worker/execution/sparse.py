@@ -31,13 +31,13 @@ log = logging.getLogger(__name__)
 
 
 class SparseExecutor(Executor):
-    """J as COO from a colouring of its pattern, the dense route as the fallback.
+    """J (or a Hessian: star colouring, HVPs) as COO from a colouring of its pattern, the dense route as the fallback.
 
     Shards (``shards`` > 1, or automatic with live workers and a rate measured on the first colour block): the
     job computes the pattern and its colouring (cached), creates the array ``compressed`` (one row per colour)
     and splits its storage blocks into colour ranges (``ShardPlan`` with ``strategy="sparse"``); each shard
     computes and commits its blocks, resuming the committed ones; the finalizer, which loads the model for it,
-    verifies the products against direct VJPs and writes the COO entries and the manifest as a job in one piece
+    verifies the products against direct VJPs (HVPs) and writes the COO entries and the manifest as a job in one piece
     does (a failed verification: the finalizer computes J densely, in one piece). A pattern that does not pay
     shards as a dense job (``DenseExecutor.split``), ``plan.sparsity`` saying why.
     """

@@ -56,8 +56,9 @@ class SparsePlan:
         return out
 
 
-def plan(pattern: Any, colouring: Colouring | None = None) -> SparsePlan:
-    """Colour ``pattern`` (unless ``colouring`` is given) and say whether the sparse path pays."""
+def plan(pattern: Any, colouring: Colouring | None = None, *, symmetric: bool = False) -> SparsePlan:
+    """Colour ``pattern`` (unless ``colouring`` is given) and say whether the sparse path pays. ``symmetric``: a
+    Hessian's pattern, star-coloured for HVPs (``hessian.colour_hessian``)."""
     n_of, n_wrt = pattern.shape
     dense_passes = min(n_of, n_wrt)
     sp_plan = SparsePlan(nnz=int(pattern.nnz), shape=(n_of, n_wrt), colouring=None)
@@ -66,7 +67,11 @@ def plan(pattern: Any, colouring: Colouring | None = None) -> SparsePlan:
                           f"{MAX_DENSITY:.0%}: stored as COO it would outgrow the dense array")
         return sp_plan
     limit = max(1, int(MAX_COLOUR_SHARE * dense_passes))
-    if colouring is None:
+    if colouring is None and symmetric:
+        from worker.engine.sparsity.hessian import colour_hessian
+
+        colouring = colour_hessian(pattern, limit=limit)
+    elif colouring is None:
         colouring = colour(pattern, choose_mode(pattern), limit=limit)
     if colouring is None or colouring.count > limit:
         sp_plan.reason = (f"dense: the pattern needs more than {limit} compressed products ({MAX_COLOUR_SHARE:.0%} "
@@ -95,7 +100,12 @@ def entries(pattern: Any, colouring: Colouring, products: np.ndarray, start: int
             dtype: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows ``start:stop`` of J as COO: ``rows``, ``cols`` (int64, row-major, columns ascending) and
     ``values``: entry ``(i, j)`` of the pattern lies in product ``colour[j]`` at ``i`` (forward) or
-    ``colour[i]`` at ``j`` (reverse). ``pattern``: CSR with sorted indices."""
+    ``colour[i]`` at ``j`` (reverse); a Hessian's star colouring: ``hessian.entries``. ``pattern``: CSR with sorted
+    indices."""
+    if colouring.mode == "star":
+        from worker.engine.sparsity import hessian
+
+        return hessian.entries(pattern, colouring, products, start, stop, dtype)
     lo, hi = int(pattern.indptr[start]), int(pattern.indptr[stop])
     cols = pattern.indices[lo:hi].astype(np.int64)
     rows = np.repeat(np.arange(start, stop, dtype=np.int64), np.diff(pattern.indptr[start:stop + 1]))
@@ -120,8 +130,9 @@ def row_blocks(pattern: Any, entries_per_block: int) -> list[tuple[int, int]]:
 
 
 def verify(op: Any, pattern: Any, colouring: Colouring, products: np.ndarray,
-           samples: int = VERIFY_SAMPLES, block_entries: int = 1 << 22) -> tuple[bool, float]:
-    """``u^T J`` for ``samples`` random ``u``, by VJPs and from the sparse entries, compared column by column:
+           samples: int = VERIFY_SAMPLES, block_entries: int = 1 << 22, direct_kind: str = "vjp") -> tuple[bool, float]:
+    """``u^T J`` for ``samples`` random ``u``, by VJPs (a Hessian's ``direct_kind="hvp"``: ``H u = u^T H``) and
+    from the sparse entries, compared column by column:
     column ``j`` agrees when ``|ours_j - direct_j| <= tol * max(|direct_j|, sum_i |u_i J_ij|)`` (a floor of
     1e-7 of the largest such scale), so an entry missed in a column of small values is not hidden by large
     ones elsewhere; NaN where the other has NaN. Returns whether all agree and the largest relative
@@ -129,7 +140,7 @@ def verify(op: Any, pattern: Any, colouring: Colouring, products: np.ndarray,
     n_of, n_wrt = pattern.shape
     rng = np.random.default_rng(VERIFY_SEED)
     u = rng.standard_normal((samples, n_of)).astype(op.compute_dtype)
-    direct = np.asarray(op.apply("vjp", u), np.float64)
+    direct = np.asarray(op.apply(direct_kind, u), np.float64)
     ours = np.zeros((samples, n_wrt), np.float64)
     size = np.zeros((samples, n_wrt), np.float64)
     for start, stop in row_blocks(pattern, block_entries):

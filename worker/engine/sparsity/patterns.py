@@ -27,7 +27,7 @@ from worker.engine.sparsity.colouring import Colouring
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3   # of the cached files: bumped when detection changes what it finds
+FORMAT = 4   # of the cached files: bumped when detection changes what it finds
 
 
 class CachedPattern(NamedTuple):

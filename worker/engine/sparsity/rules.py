@@ -14,7 +14,8 @@ elements)`` saying which input elements each output element reads, and the outpu
 - windows (``Conv2D``, ``DepthwiseConv2dNative``, ``MaxPool``, ``AvgPool``; strides, dilations, SAME /
   VALID / explicit padding, NHWC): ``ExtractImagePatches`` run on the ids gives each output's window;
 - ``MatMul``/``BatchMatMul*``: an output element reads a row of one operand and a column of the other;
-- reductions (``Sum``, ``Mean``, ``Max``, ...) and ``Softmax``/``LogSoftmax`` (over the last axis);
+- reductions (``Sum``, ``Mean``, ``Max``, ..., and a gradient graph's ``BiasAddGrad``) and
+  ``Softmax``/``LogSoftmax`` (over the last axis);
 - ``FusedBatchNorm*`` at inference: elementwise in ``x``;
 - anything else: ``conservative``, every output element reads every input element; the op is noted
   (``walk.note_no_rule``) so that the plan names the ops that made the pattern denser than it may be.
@@ -48,11 +49,13 @@ Cos Cosh Digamma Div DivNoNan Elu EnsureShape Erf Erfc Exp Expm1 Fill Floor Floo
 Inv Lgamma Log Log1p LeakyRelu Maximum Minimum Mod Mul MulNoNan Neg Pow PreventGradient Reciprocal RealDiv Relu
 Relu6 Round Rsqrt Select SelectV2 Selu Sigmoid Sign Sin Sinh Snapshot Softplus Softsign Sqrt Square
 SquaredDifference StopGradient Sub Tan Tanh TruncateDiv Xdivy Xlog1py Xlogy
-""".split())
+EluGrad InvGrad LeakyReluGrad ReciprocalGrad Relu6Grad ReluGrad RsqrtGrad SeluGrad SigmoidGrad SoftplusGrad
+SoftsignGrad SqrtGrad TanhGrad
+""".split())   # the *Grad ops: a gradient's graph (a Hessian's pattern), elementwise in their inputs
 
 MOVES = frozenset("""
 BatchToSpaceND Concat ConcatV2 DepthToSpace Gather GatherNd GatherV2 MirrorPad Pack Pad PadV2 ReverseV2 Roll
-Slice SpaceToBatchND SpaceToDepth Split SplitV StridedSlice Tile Transpose Unpack
+Slice SpaceToBatchND SpaceToDepth Split SplitV StridedSlice StridedSliceGrad Tile Transpose Unpack
 """.split())
 
 RESHAPES = frozenset(("Reshape", "ExpandDims", "Squeeze"))
@@ -119,6 +122,8 @@ def _patterns(op: Any, ins: list[State], shapes: list[tuple[int, ...]]) -> tuple
             return [reduction(op, ins[0], np.asarray(ins[1].value), shapes[0])], True
         if kind in ("Softmax", "LogSoftmax"):
             return [last_axis(ins[0])], True
+        if kind == "BiasAddGrad" and isinstance(ins[0], Dep) and _attr(op, "data_format", b"NHWC") == b"NHWC":
+            return [reduction(op, ins[0], np.arange(len(ins[0].shape) - 1), shapes[0])], True   # a gradient's
         if kind in BATCH_NORMS and not op.get_attr("is_training") and isinstance(ins[0], Dep) \
                 and not any(isinstance(s, Dep) for s in ins[1:]):
             return [ins[0].pattern] + [None] * (len(shapes) - 1), True
