@@ -25,13 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unconverged", action="store_true", help="svd, hessian_eig, ggn_eig: keep a result that "
                    "did not meet --tol within --max-iterations (marked converged: false) instead of failing")
     p.add_argument("--samples", type=int, help="hessian_trace, ggn_trace: products to spend (default 100)")
-    p.add_argument("--loss", choices=LOSSES, help="ggn_vp, fisher_vp, ggn_eig, ggn_trace, ihvp --curvature ggn: the "
-                   "loss on --of (its Gauss-Newton matrix, or its empirical Fisher)")
+    p.add_argument("--loss", choices=LOSSES, help="ggn_vp, fisher_vp, ggn_eig, ggn_trace, ggn_diag, ihvp "
+                   "--curvature ggn: the loss on --of (its Gauss-Newton matrix, or its empirical Fisher)")
     p.add_argument("--labels", metavar="NAME", help="fisher_vp: the member of the --input .npz that holds the labels")
     p.add_argument("--damping", type=float, help="ihvp: solve (A + damping I) x = v, damping > 0; logdet: log det(H "
                    "+ damping I) (default 0)")
-    p.add_argument("--probes", type=int, help="hessian_diag: Rademacher probes (default 100; exact for a small wrt); "
-                   "spectral_density, logdet: Lanczos start vectors (default 10)")
+    p.add_argument("--probes", type=int, help="hessian_diag, ggn_diag: Rademacher probes (default 100; exact for a "
+                   "small wrt); spectral_density, logdet: Lanczos start vectors (default 10)")
     p.add_argument("--steps", type=int, help="spectral_density, logdet: Lanczos steps per probe (default 50)")
     p.add_argument("--sigma", type=float, help="spectral_density: Gaussian smoothing width (default 1%% of the range "
                    "of the Ritz values)")

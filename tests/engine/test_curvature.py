@@ -198,6 +198,26 @@ def test_ggn_trace_exact_and_estimated(built, case):
     assert err <= 4 * float(estimate.arrays["stderr"]) + 1e-5 * abs(np.trace(ref.ggn)), (err, estimate.attrs)
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.id)
+def test_ggn_diag_exact_and_estimated(built, case):
+    """``ggn_diag``: diag(G) exact by unit-vector G v products, Hutchinson's within 4 standard errors."""
+    from worker.engine import spectra
+
+    ref = built(case)
+    op = ref.op
+    want = np.diag(ref.ggn)
+    exact = spectra.spectral(op, "ggn_diag", probes=op.n_wrt, loss=case.loss)
+    assert exact.method == "exact" and not np.any(exact.arrays["stderr"])
+    assert exact.products["ggn_vp"] > 0 and exact.products["hvp"] == 0
+    np.testing.assert_allclose(np.asarray(exact.arrays["diagonal"], np.float64).ravel(), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+    estimate = spectra.spectral(op, "ggn_diag", probes=80, loss=case.loss, seed=2, method="hutchinson")
+    got = np.asarray(estimate.arrays["diagonal"], np.float64).ravel()
+    stderr = np.asarray(estimate.arrays["stderr"], np.float64).ravel()
+    assert estimate.method == "hutchinson" and np.all(stderr > 0)
+    assert np.all(np.abs(got - want) <= 4 * stderr + 1e-5 * np.abs(want).max()), (got - want, stderr)
+
+
 @pytest.mark.parametrize("case", CASES[:5], ids=lambda c: c.id)
 def test_ihvp_of_the_gauss_newton_matrix_solves_the_damped_system(built, case):
     from worker.engine import spectra

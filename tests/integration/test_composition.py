@@ -208,6 +208,7 @@ EVERY_KIND = {
     "ihvp": {"of": "y", "wrt": "x", "curvature": "ggn", "loss": "mse", "damping": 0.1, "tol": 1e-10,
              "seeds": SEEDS_WRT},
     "hessian_diag": {"of": "loss", "wrt": "x", "probes": 15},
+    "ggn_diag": {"of": "y", "wrt": "x", "loss": "mse", "probes": 15},
     "spectral_density": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15},
     "logdet": {"of": "loss", "wrt": "x", "probes": 15, "steps": 15, "damping": 200.0},
 }
@@ -249,7 +250,7 @@ def test_every_kind_succeeds_with_progress_plan_and_preview(client, redis_conn, 
             "ggn_vp": SEEDS_WRT.reshape(2, 15) @ G, "fisher_vp": SEEDS_WRT.reshape(2, 15) @ F,
             "ggn_eig": sorted(np.linalg.eigvalsh(G), key=abs, reverse=True)[:2], "ggn_trace": np.trace(G),
             "ihvp": np.linalg.solve(G + 0.1 * np.eye(15), SEEDS_WRT.reshape(2, 15).T).T,
-            "hessian_diag": np.diag(H), "logdet": np.linalg.slogdet(H + 200.0 * np.eye(15))[1],
+            "hessian_diag": np.diag(H), "ggn_diag": np.diag(G), "logdet": np.linalg.slogdet(H + 200.0 * np.eye(15))[1],
             "spectral_density": None}[kind]
     if want is None:   # the density: the eigenvalues smoothed on the result's grid (unit start vectors: exact)
         grid, sigma = ds["grid"].values, ds.attrs["sigma"]

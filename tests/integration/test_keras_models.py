@@ -120,6 +120,7 @@ MORE = {   # the other kinds of the registry on functional.keras
                   "inputs": {"x": tensor(X), "t": tensor(LABELS)}},
     "ggn_eig": {"of": "y", "wrt": "x", "loss": "mse", "rank": 2, "tol": 1e-6},
     "ggn_trace": {"of": "y", "wrt": "x", "loss": "mse", "samples": 40},
+    "ggn_diag": {"of": "y", "wrt": "x", "loss": "mse", "probes": 12},
     "ihvp": {"of": "loss", "wrt": "x", "damping": 100.0, "seeds": tensor(SEEDS), "tol": 1e-6},
 }
 
@@ -149,7 +150,7 @@ def test_other_kinds_equal_gradient_tape(worker_client, redis_conn, keras_model,
     want = {"vjp": SEEDS_OF.reshape(2, 8) @ J, "hvp": SEEDS.reshape(2, 12) @ H,
             "ggn_vp": SEEDS.reshape(2, 12) @ G, "fisher_vp": SEEDS.reshape(2, 12) @ F,
             "ggn_eig": sorted(np.linalg.eigvalsh(G), key=abs, reverse=True)[:2], "ggn_trace": np.trace(G),
-            "ihvp": np.linalg.solve(H + 100.0 * np.eye(12), SEEDS.reshape(2, 12).T).T,
+            "ggn_diag": np.diag(G), "ihvp": np.linalg.solve(H + 100.0 * np.eye(12), SEEDS.reshape(2, 12).T).T,
             "svd": np.linalg.svd(J, compute_uv=False)[:2],
             "hessian_eig": sorted(np.linalg.eigvalsh(H), key=abs, reverse=True)[:2],
             "hessian_trace": np.trace(H), "hessian_diag": np.diag(H),
