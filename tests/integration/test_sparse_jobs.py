@@ -180,3 +180,11 @@ def test_a_sparse_hessian_job_over_http(client, redis_conn, model_root):
     assert rows.status_code == 200, rows.text
     np.testing.assert_allclose(np.load(io.BytesIO(rows.content)).reshape(3, 24), want[:3], rtol=1e-5,
                                atol=1e-5 * np.abs(want).max())
+    again = client.post("/v1/jobs", json={"model": {"path": "arrow"}, "inputs": {"x": tensor(x * 2)}, "kind": "hessian",
+                                          "of": "f", "wrt": "x", "sparsity": {"pattern_from": record["id"]}})
+    assert again.status_code == 202, again.text
+    second = finished_job(client, redis_conn, again.json()["id"])
+    assert second["plan"]["sparsity"]["source"] == "pattern_from" and second["plan"]["sparsity"]["verified"]
+    jacobian_from = client.post("/v1/jobs", json={"model": {"path": "arrow"}, "inputs": {"x": tensor(x)},
+                                                  "of": "f", "wrt": "x", "sparsity": {"pattern_from": record["id"]}})
+    assert jacobian_from.status_code == 422 and "computed another matrix: kind 'hessian'" in jacobian_from.text
