@@ -274,3 +274,21 @@ def test_chunks_double_only_when_paired_timings_pay_and_the_plan_keeps_what_was_
     run.publish("vectorized", 16)
     assert run.status["timed_rows"] == [8, 16, 32]
     assert all(size <= max(8, 2 * before) for size, before in run.status["chunks_run"]), run.status["chunks_run"]
+
+
+def test_a_new_chunk_size_whose_first_call_costs_more_than_a_doubling_saves_is_not_tried(small_mlp):
+    """EfficientNetB0 on the CPU: growing a `vectorized` ladder to a new size retraced pfor (a minute) for each
+    size in a job of seconds. A new size's first call must be repaid at the gain a doubling brings."""
+    problem = build_problem(small_mlp, {"x": rand((8, 8))})
+    plan = Plan(strategy="vectorized")
+    run = ChunkRun(problem, plan, Probe(), budget=None, chunk_rows=None, throughput_cap=True, refine="never",
+                   try_xla=False, pinned=False, on_plan=None)
+    ladder = run.ladder("vectorized")
+    ladder.called.discard(2 * ladder.size)     # as in a new process (other tests of the module ran sizes)
+    ladder.samples[ladder.size] = [0.01]       # 100 rows/s at its size
+    plan.record("vectorized").compile_s = 0.5
+    assert run.can_grow_to("vectorized", 2 * ladder.size, rows_left=1000)        # 10 s of rows: 1 s of gain
+    plan.record("vectorized").compile_s = 60.0
+    assert not run.can_grow_to("vectorized", 2 * ladder.size, rows_left=1000)    # a trace of a minute: no
+    ladder.called.add(2 * ladder.size)                                           # already traced: no cost
+    assert run.can_grow_to("vectorized", 2 * ladder.size, rows_left=1000)

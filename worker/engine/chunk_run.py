@@ -274,13 +274,19 @@ class ChunkRun:
 
     def can_grow_to(self, label: str, k: int, rows_left: int) -> bool:
         """Whether ``label``'s chunk may double to ``k`` rows: within the chunk cap, with rows left to
-        measure it (its warm-up and one pair; pairs left undecided go on in the next job), and its predicted
+        measure it (its warm-up and one pair; pairs left undecided go on in the next job) and to repay a new
+        size's first call (``compile_s``) at the gain a doubling must bring, and its predicted
         peak (the bound through this run's peaks and the plan's line, with ``FIRST_CALL_MARGIN`` for a new
         size's first call) under the limit. Growth stopped by the cap or by memory leaves the ladder
         calibrated; by the rows running out, not."""
         ladder = self.ladders[label]
         if rows_left < (comparison_rows(k, warm=k in ladder.called) if self.throughput_cap else k):
             return False
+        compile_s, rate = self.plan.record(label).compile_s, ladder.rates().get(ladder.size)
+        if self.throughput_cap and k not in ladder.called and compile_s and rate and \
+                rows_left / rate * GROWTH_GAIN < compile_s:
+            return False   # the new size's first call (a trace: pfor's of a large model, a minute) costs more
+            #                than the doubling could save in the rows left
         memory = self.plan.record(label).memory_at(self.batch)
         predicted = max(fit_bound(ladder.peaks)(k), memory(k) if memory is not None else 0.0)
         fits = (k <= min(self.k_cap.get(label, self.max_rows), self.max_rows)
