@@ -54,14 +54,17 @@ def jvp_by_rows(op: Operator, seeds: np.ndarray) -> np.ndarray:
         if need > limit:
             raise RowsTooLarge(f"J ({op.n_of} x {op.n_wrt}) takes {need} bytes, over the {limit} bytes it may take")
         rows = np.empty((op.n_of, op.n_wrt), op.compute_dtype)
-        for start in range(0, op.n_of, BLOCK_ROWS):
-            stop = min(op.n_of, start + BLOCK_ROWS)
-            onehot = np.zeros((stop - start, op.n_of), op.compute_dtype)
-            onehot[np.arange(stop - start), np.arange(start, stop)] = 1
-            try:
+        before, op.failures = op.failures, {}
+        try:
+            for start in range(0, op.n_of, BLOCK_ROWS):
+                stop = min(op.n_of, start + BLOCK_ROWS)
+                onehot = np.zeros((stop - start, op.n_of), op.compute_dtype)
+                onehot[np.arange(stop - start), np.arange(start, stop)] = 1
                 rows[start:stop] = op.apply("vjp", onehot)
-            except NotDifferentiable as err:   # no VJP either: a failure of this label, the refusal names it
-                raise RuntimeError(f"VJPs fail too ({err})") from err
+        except NotDifferentiable as err:   # no VJP either: a failure of this label, the refusal names it
+            raise RuntimeError(f"VJPs fail too ({err})") from err
+        finally:   # the vjp labels that failed, named as such beside the jvp labels
+            op.failures = {**before, **{f"vjp {k}": v for k, v in op.failures.items()}}
         op.jacobian_rows = rows
     return np.asarray(seeds, op.compute_dtype) @ op.jacobian_rows.T
 
