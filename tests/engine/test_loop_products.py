@@ -92,7 +92,8 @@ def test_jvp_on_the_rk4_integrator_equals_tape_jacobian_times_v(loop_model, wrt)
 
 def test_rows_route_is_chosen_where_forward_mode_fails_and_each_failure_is_one_log_line(loop_model, caplog):
     """On the GRU every other label fails; each failure is one INFO line from the engine, none of TensorFlow's
-    own records reaches the log, and the J kept by reverse/rows serves the next call without more VJPs."""
+    own records reaches the log, and the J kept by reverse/rows serves the next calls (J v and u^T J) without more
+    VJPs through TensorFlow."""
     op = operator(loop_model("gru"))
     seeds = np.random.default_rng(4).standard_normal((2, op.n_wrt)).astype("float32")
     with caplog.at_level(logging.INFO):
@@ -112,6 +113,8 @@ def test_rows_route_is_chosen_where_forward_mode_fails_and_each_failure_is_one_l
     assert vjps == op.n_of
     op.jvp(seeds)
     assert op.counts["vjp"] == vjps and op.counts["jvp"] == 4
+    cotangents = np.random.default_rng(5).standard_normal((2, op.n_of)).astype("float32")
+    assert_close(op.vjp(cotangents), cotangents @ tape_matrix(op), 1e-5)   # u^T J from the J kept
 
 
 def test_a_refusal_names_the_fix(loop_model):

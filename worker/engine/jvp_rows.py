@@ -6,9 +6,10 @@ gradient of a gradient). Through a ``While`` op that reads a captured variable (
 unrolled, an ODE integrator in a ``tf.while_loop``) TensorFlow fails at both, in every strategy, while VJPs work.
 ``reverse/rows`` takes ``J``'s rows from VJPs of one-hot cotangents (``n_of`` of them, through the operator's own
 ``vjp``, chosen and checked as any kind's first call), keeps ``J`` (``n_of x n_wrt``) on the operator and answers
-``J t`` as ``t @ J^T`` on the host: exact, and each later product costs a matrix product, which suits ``svd``'s
-repeated calls. It is tried last, and only while ``J`` fits ``limit_bytes`` (``memory_budget_bytes`` when the
-request sets one, else ``ROWS_MAX_BYTES``); the refusal that remains names that fix (``refusal``).
+``J t`` as ``t @ J^T`` on the host (and, once ``J`` is kept, ``u^T J`` as ``u @ J``): exact, and each later product
+costs a matrix product, which suits ``svd``'s repeated calls. It is tried last, and only while ``J`` fits
+``limit_bytes`` (``memory_budget_bytes`` when the request sets one, else ``ROWS_MAX_BYTES``); the refusal that
+remains names that fix (``refusal``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def applies(kind: str) -> bool:
     """Products along ``of`` of one derivative (``J t``): what J's rows can answer."""
     spec = kind_spec(kind)
     return spec.product_axes == "of" and not spec.scalar_of and "reverse" in spec.routes
+
+
+def transposes(kind: str) -> bool:
+    """Products along ``wrt`` of one derivative (``u^T J``): what a kept J answers on the host as well."""
+    spec = kind_spec(kind)
+    return spec.seeds == "of" and not spec.scalar_of and not spec.curvature
 
 
 def rows_bytes(op: Operator) -> int:

@@ -222,6 +222,8 @@ class Operator:
             from worker.engine.curvature import sandwich
 
             return sandwich(self, self.middles[kind], seeds)
+        if self.jacobian_rows is not None and jvp_rows.transposes(kind):   # J kept by reverse/rows: u^T J on the host
+            return seeds @ self.jacobian_rows
         label = self.labels.get(kind)
         if label is None:
             return self._choose(kind, seeds)
