@@ -15,7 +15,10 @@ SPELLINGS = (("reduce='sum'", "--reduce sum"),
               "have lists them all)"),
              ("GET /v1/models/signature", "the model's signature"),
              ("allow_unconverged: true", "--allow-unconverged"), ("max_iterations (", "--max-iterations ("),
-             ("loosen tol (", "loosen --tol ("), ("smaller rank (", "smaller --rank ("))
+             ("loosen tol (", "loosen --tol ("), ("smaller rank (", "smaller --rank ("),
+             ("set memory_budget_bytes to at least", "pass --memory-budget of at least"),
+             ("use mode 'auto' or 'reverse'", "use --mode auto or --mode reverse"),
+             ("a smaller of or wrt", "a smaller --of or --wrt"))
 
 
 def as_flag(message: str) -> str:

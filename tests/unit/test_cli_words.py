@@ -55,3 +55,15 @@ def test_submit_prints_the_apis_errors_in_cli_spelling(capsys):
     assert _fail("InvalidRequest", "of: ... set reduce='sum' for the Hessian of sum(y)", code=1) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: InvalidRequest: --of: ") and "--reduce sum" in err
+
+
+def test_the_jvp_refusals_fixes_are_flags():
+    """The fixes ``worker.engine.jvp_rows.refusal`` names, as the CLI prints them."""
+    budget = as_flag("memory_budget_bytes: TensorFlow cannot compute jvp of 'y' (...). Forward mode and second "
+                     "derivatives fail here, and J v from VJPs keeps J (480 bytes); set memory_budget_bytes to at "
+                     "least 480, or ask for a smaller of or wrt")
+    assert budget.startswith("--memory-budget: ") and "pass --memory-budget of at least 480" in budget
+    assert "a smaller --of or --wrt" in budget and "memory_budget_bytes" not in budget
+    mode = as_flag("mode: TensorFlow cannot compute jvp (...). Forward mode fails here; use mode 'auto' or 'reverse' "
+                   "(J v from VJPs)")
+    assert mode.startswith("--mode: ") and "use --mode auto or --mode reverse" in mode

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.engine import tuning
+from worker.engine import tf_logs, tuning
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
 from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
 from worker.engine.memory import MemoryProbe
@@ -163,7 +163,8 @@ class ChunkRun:
         self.probe.before_chunk(k)
         self.probe.reset_peak()
         t0 = time.perf_counter()
-        out = fn(start, k)
+        with tf_logs.captured(f"strategy {label}"):   # pfor's and the loop converters' dumps: one line
+            out = fn(start, k)
         if k > n:
             out = out[:n]
         rows = np.asarray(out)  # a view of the tensor's buffer on the CPU: no extra copy

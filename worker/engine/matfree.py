@@ -19,7 +19,8 @@ How a product is computed (a *label*, ``route/strategy``):
   are a ``[None, None]`` argument and the inputs arguments too), ``tiled`` (``jvp`` forward, ``vjp``
   reverse; ``products.tiled_ok``: all seeds through one pass over the inputs tiled on the batch axis, a
   plain trace; tried before ``vectorized`` on a graph of more than ``tuning.SMALL_GRAPH_OPS`` ops, after
-  it otherwise), ``loop`` (a compiled one-seed function per seed), ``eager`` (no ``tf.function``).
+  it otherwise), ``loop`` (a compiled one-seed function per seed), ``eager`` (no ``tf.function``); last, for
+  ``jvp``, ``reverse/rows``: ``J`` from VJPs, kept, where forward mode and second derivatives fail (``jvp_rows``).
 
 The first call of a kind tries the labels in that order on its seeds plus one random probe seed,
 whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``; a JVP row ``J t`` by
@@ -34,6 +35,7 @@ for the probe rows and reference products spent choosing. Results: the wider dty
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,9 +46,9 @@ import numpy as np
 from contracts import rules
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
 from contracts.kinds import kind_spec
-from worker.engine import matfree_rules, pfor_patches, trace_cache
+from worker.engine import jvp_rows, matfree_rules, pfor_patches, tf_logs, trace_cache
 from worker.engine.chunk_run import Adjoint, agrees
-from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, NotDifferentiable, Stopped
+from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, Stopped
 from worker.engine.matfree_result import MatFreeResult
 from worker.engine.memory import is_out_of_memory
 from worker.engine.model import LoadedModel
@@ -57,6 +59,7 @@ from worker.engine.wrt_axis import WrtAxis, wrt_axis
 
 FIRST_SEEDS = 8          # the first call of a kind whose seeds per call are planned from memory: its peak measured
 PROBE_SEED = 20240611   # the random probe row of a kind's first call
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Operator:
         self.on_choice: Callable[[], None] | None = None   # told when a label is chosen (to keep it)
         self.trace_dir: str | None = None     # the cache folder: traced functions kept for later processes
         self.failures: dict[str, str] = {}    # label -> why it was not chosen
+        self.jacobian_rows: np.ndarray | None = None   # J, kept by the label reverse/rows (``jvp_rows``)
         self.middles: dict[str, Callable[[np.ndarray], np.ndarray]] = {}   # J^T M J kinds: M (``curvature.middles``)
         self._references: dict[str, np.ndarray | None] = {}
         self.oom_retries = 0
@@ -218,6 +222,8 @@ class Operator:
             from worker.engine.curvature import sandwich
 
             return sandwich(self, self.middles[kind], seeds)
+        if self.jacobian_rows is not None and jvp_rows.transposes(kind):   # J kept by reverse/rows: u^T J on the host
+            return seeds @ self.jacobian_rows
         label = self.labels.get(kind)
         if label is None:
             return self._choose(kind, seeds)
@@ -238,6 +244,7 @@ class Operator:
             out.append("forward/vectorized")
         if asked != "forward":
             out += ["reverse/vectorized", "reverse/loop", "reverse/eager"]
+            out += [jvp_rows.LABEL] if jvp_rows.applies(kind) else []   # last: J from VJPs (``jvp_rows``)
         route = tiled_route(kind)
         if route is not None and tiled_ok(self):
             tiled, vectorized = f"{route}/tiled", f"{route}/vectorized"
@@ -264,6 +271,7 @@ class Operator:
                 if is_out_of_memory(err):
                     raise
                 self.failures[label] = error_summary(err)
+                log.info("%s: %s failed: %s", kind, label, self.failures[label])
                 continue
             if reference is not None and not agrees(rows[-1], probe[0], reference):
                 self.failures[label] = "disagrees with the eager reverse-mode reference"
@@ -275,9 +283,7 @@ class Operator:
             if self.on_choice is not None:
                 self.on_choice()
             return rows[:-1]
-        tried = "; ".join(f"{k}: {v}" for k, v in self.failures.items())
-        raise NotDifferentiable(f"wrt: TensorFlow cannot compute {kind} of {self.of!r} with respect to "
-                                f"{', '.join(self.axis.names)} in this SavedModel ({tried})", field="wrt")
+        raise jvp_rows.refusal(self, kind)
 
     def _reference(self, kind: str, probe: np.ndarray) -> np.ndarray | None:
         """One eager reverse-mode product of ``probe`` (None when eager mode cannot compute it)."""
@@ -312,15 +318,18 @@ class Operator:
         """``kind`` products of ``seeds`` by ``label``: one call (``vectorized``) or one per seed."""
         import tensorflow as tf
 
-        if label.endswith("/eager"):
-            run = body(tf, self, kind, label)
-            return np.concatenate([np.asarray(run(tf.constant(seeds[i:i + 1]), self.inputs))
-                                   for i in range(len(seeds))])
-        fn = self._compiled(tf, kind, label)
-        if label.endswith("/loop"):
-            return np.concatenate([np.asarray(fn(tf.constant(seeds[i:i + 1]), self.inputs))
-                                   for i in range(len(seeds))])
-        return np.asarray(fn(tf.constant(seeds), self.inputs))
+        if label == jvp_rows.LABEL:
+            return jvp_rows.jvp_by_rows(self, seeds)
+        with tf_logs.captured(f"{kind} {label}"):   # pfor's and the loop converters' dumps: one line per failure
+            if label.endswith("/eager"):
+                run = body(tf, self, kind, label)
+                return np.concatenate([np.asarray(run(tf.constant(seeds[i:i + 1]), self.inputs))
+                                       for i in range(len(seeds))])
+            fn = self._compiled(tf, kind, label)
+            if label.endswith("/loop"):
+                return np.concatenate([np.asarray(fn(tf.constant(seeds[i:i + 1]), self.inputs))
+                                       for i in range(len(seeds))])
+            return np.asarray(fn(tf.constant(seeds), self.inputs))
 
     def key(self, kind: str, label: str) -> ProductKey:
         inputs = tuple(sorted((n, t.dtype.name) for n, t in self.inputs.items()))
@@ -330,7 +339,7 @@ class Operator:
     def _trace_key(self, kind: str, label: str) -> tuple[Any, ...] | None:
         shapes = tuple(sorted((n, tuple(t.shape.as_list())) for n, t in self.inputs.items()))
         return ("product-trace", self.model.fingerprint, self.model.signature, shapes, self.key(kind, label)) \
-            if self.trace_dir and self.model.fingerprint and not label.endswith("/eager") else None
+            if self.trace_dir and self.model.fingerprint and not label.endswith(("/eager", "/rows")) else None
 
     def _keep_trace(self, kind: str, label: str) -> None:
         """Store the chosen label's traced function for later processes (``trace_cache``), once per process."""

@@ -21,6 +21,7 @@ import numpy as np
 from contracts import rules
 from contracts.kinds import KindSpec, kind_spec
 from contracts.layout import ResultLayout, dimension_names
+from worker.engine import tf_logs
 from worker.engine.errors import BatchNotIndependent, InvalidRequest, NotDifferentiable
 from worker.engine.model import LoadedModel, shape_tuple
 from worker.engine.plan import PlanKey, batch_bucketed
@@ -188,7 +189,8 @@ def error_summary(err: BaseException) -> str:
     lines = [t.strip() for t in str(err).strip().splitlines() if t.strip()]
     interesting = [t for t in lines if ("rror" in t or "gradient" in t.lower()) and "in user code" not in t]
     line = (interesting or lines or [""])[-1][:300]
-    return line if line.split(":")[0].endswith(("Error", "Exception")) else f"{type(err).__name__}: {line}"
+    line = line if line.split(":")[0].endswith(("Error", "Exception")) else f"{type(err).__name__}: {line}"
+    return line + tf_logs.note(err)   # how many of TensorFlow's own log lines were kept back
 
 
 FORWARD_TEST_PAIRS = 3   # random (tangent, cotangent) pairs of the forward-mode test
@@ -366,7 +368,8 @@ def _check_request(model: LoadedModel, tensors: dict[str, Any], of: str, wrt: st
         grad, _ = _probe_gradient(model, tensors, of, wrt, kind, reduce)
         if grad is None:
             raise unconnected(of, wrt)
-        why = _forward_agrees(model, tensors, of, wrt)
+        with tf_logs.captured("the forward-mode test"):
+            why = _forward_agrees(model, tensors, of, wrt)
         if why is not None and requested_mode == "auto":
             mode = "reverse"
         elif why is not None:

@@ -23,7 +23,7 @@ from contracts.kinds import Family, kind_spec, kinds_where
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("tiled", "vectorized", "loop", "eager")
+STRATEGIES = ("tiled", "vectorized", "loop", "eager", "rows")
 
 
 def request_key(op: Any) -> tuple[Any, ...]:

@@ -1,0 +1,57 @@
+"""Models whose outputs come out of a loop, where TensorFlow's forward mode fails (issue 30): a Keras GRU (not
+unrolled: a ``While`` op in the SavedModel) and an RK4 integrator in a float64 ``tf.while_loop``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def gru(path: Path, *, steps: int = 5, features: int = 3, units: int = 4) -> Path:
+    """Keras GRU (``unroll=False``) then Dense: ``seq`` (None, steps, features) float32 -> ``y`` (None, 2)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((steps, features), name="seq")
+    h = keras.layers.GRU(units, name="gru")(inp)
+    out = keras.layers.Dense(2, name="out")(h)
+    keras.Model(inp, {"y": out}).export(str(path), verbose=False)
+    return path
+
+
+def rk4(path: Path, *, n: int = 4, steps: int = 8, dt: float = 0.05, read_in_loop: bool = True) -> Path:
+    """A ``tf.Module``: ``steps`` RK4 steps of ``dx/dt = tanh(W x) - 0.3 x`` in a float64 ``tf.while_loop``;
+    ``x0`` (n,) float64 -> ``x`` (n,), the state at ``t = steps * dt``. ``read_in_loop``: the loop body reads the
+    variable ``w`` (as users write it), else one tensor read before the loop."""
+    import tensorflow as tf
+
+    w0 = np.random.default_rng(3).standard_normal((n, n))
+
+    class RK4(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = tf.Variable(w0, dtype=tf.float64, name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec([n], tf.float64, name="x0")])
+        def __call__(self, x0):
+            w_before = tf.convert_to_tensor(self.w)
+            h = tf.constant(dt, tf.float64)
+
+            def f(x):
+                w = self.w if read_in_loop else w_before
+                return tf.tanh(tf.linalg.matvec(w, x)) - 0.3 * x
+
+            def body(i, x):
+                k1 = f(x)
+                k2 = f(x + 0.5 * h * k1)
+                k3 = f(x + 0.5 * h * k2)
+                k4 = f(x + h * k3)
+                return i + 1, x + h / 6.0 * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
+
+            _, x = tf.while_loop(lambda i, x: i < steps, body, (tf.constant(0), x0))
+            return {"x": x}
+
+    m = RK4()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
