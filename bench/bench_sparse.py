@@ -46,10 +46,24 @@ def timed_process(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
             "uri": stdout.strip().splitlines()[-1], "note": " | ".join(done)[:400]}
 
 
+def block_difference(group: Any, indptr: np.ndarray, a: int, block: np.ndarray) -> tuple[float, float, int]:
+    """For the dense rows ``block`` starting at row ``a`` of a COO result group (``indptr``, ``cols``,
+    ``values``): the largest difference of the sparse rows from them, their largest magnitude, and how many of
+    their non-zeros are not entries of the sparse result."""
+    import scipy.sparse as sp
+
+    b = a + len(block)
+    lo, hi = int(indptr[a]), int(indptr[b])
+    rows = np.repeat(np.arange(b - a), np.diff(indptr[a:b + 1]))
+    cols = group["cols"][lo:hi]
+    ours = sp.csr_array((group["values"][lo:hi], (rows, cols)), shape=block.shape).toarray()
+    mask = sp.csr_array((np.ones(hi - lo, bool), (rows, cols)), shape=block.shape).toarray()
+    return float(np.abs(ours - block).max()), float(np.abs(block).max()), int(np.count_nonzero(block[~mask]))
+
+
 def compare(sparse_uri: str, dense_uri: str) -> dict[str, Any]:
     """Largest difference between the sparse result and the dense one, row block by row block, relative to the
     dense one's largest magnitude; and whether every non-zero of the dense result is an entry of the sparse."""
-    import scipy.sparse as sp
     import zarr
 
     group = zarr.open_group(sparse_uri, mode="r")
@@ -65,15 +79,8 @@ def compare(sparse_uri: str, dense_uri: str) -> dict[str, Any]:
     for index in np.ndindex(*of_shape[:axis + 1]):
         block = np.asarray(dense[index]).reshape(-1, n_wrt)
         a = int(np.ravel_multi_index(index, of_shape[:axis + 1])) * slab_rows
-        b = a + len(block)
-        lo, hi = int(indptr[a]), int(indptr[b])
-        rows = np.repeat(np.arange(b - a), np.diff(indptr[a:b + 1]))
-        cols = group["cols"][lo:hi]
-        ours = sp.csr_array((group["values"][lo:hi], (rows, cols)), shape=block.shape).toarray()
-        worst = max(worst, float(np.abs(ours - block).max()))
-        scale = max(scale, float(np.abs(block).max()))
-        mask = sp.csr_array((np.ones(hi - lo, bool), (rows, cols)), shape=block.shape).toarray()
-        outside += int(np.count_nonzero(block[~mask]))
+        diff, top, missed = block_difference(group, indptr, a, block)
+        worst, scale, outside = max(worst, diff), max(scale, top), outside + missed
     return {"max_abs_diff": f"{worst:.3g}", "max_abs": f"{scale:.3g}", "relative": f"{worst / (scale or 1):.3g}",
             "dense_nonzeros_outside_pattern": outside}
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.bench_sparse import timed_process
+from bench.bench_sparse import block_difference, timed_process
 from bench.common import emit, machine
 
 
@@ -39,7 +39,6 @@ def build(root: Path, n: int) -> tuple[Path, Path]:
 def compare(sparse_uri: str, dense_uri: str, n: int) -> dict[str, Any]:
     """Largest difference between the COO Hessian and the dense one (row blocks), relative to the dense one's
     largest magnitude, and the dense non-zeros outside the sparse entries."""
-    import scipy.sparse as sp
     import zarr
 
     group = zarr.open_group(sparse_uri, mode="r")
@@ -48,15 +47,8 @@ def compare(sparse_uri: str, dense_uri: str, n: int) -> dict[str, Any]:
     worst, scale, outside, step = 0.0, 0.0, 0, max(1, (64 << 20) // (4 * n))
     for a in range(0, n, step):
         b = min(n, a + step)
-        block = np.asarray(dense[a:b]).reshape(b - a, n)
-        lo, hi = int(indptr[a]), int(indptr[b])
-        rows = np.repeat(np.arange(b - a), np.diff(indptr[a:b + 1]))
-        cols = group["cols"][lo:hi]
-        ours = sp.csr_array((group["values"][lo:hi], (rows, cols)), shape=block.shape).toarray()
-        worst = max(worst, float(np.abs(ours - block).max()))
-        scale = max(scale, float(np.abs(block).max()))
-        mask = sp.csr_array((np.ones(hi - lo, bool), (rows, cols)), shape=block.shape).toarray()
-        outside += int(np.count_nonzero(block[~mask]))
+        diff, top, missed = block_difference(group, indptr, a, np.asarray(dense[a:b]).reshape(b - a, n))
+        worst, scale, outside = max(worst, diff), max(scale, top), outside + missed
     return {"max_abs_diff": f"{worst:.3g}", "relative": f"{worst / (scale or 1):.3g}",
             "dense_nonzeros_outside_pattern": outside}
 
