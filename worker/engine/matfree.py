@@ -337,7 +337,7 @@ class Operator:
                           self.reduce if kind_spec(kind).scalar_of else None, self.compute_dtype, inputs)
 
     def _trace_key(self, kind: str, label: str) -> tuple[Any, ...] | None:
-        shapes = tuple(sorted((n, tuple(t.shape.as_list())) for n, t in self.inputs.items()))
+        shapes = trace_cache.input_shapes(self.inputs)
         return ("product-trace", self.model.fingerprint, self.model.signature, shapes, self.key(kind, label)) \
             if self.trace_dir and self.model.fingerprint and not label.endswith(("/eager", "/rows")) else None
 

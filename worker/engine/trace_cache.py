@@ -33,6 +33,11 @@ MAX_GRAPH_BYTES = 256 << 20      # nor one whose GraphDef is larger
 _STORED: set[str] = set()        # paths this process wrote or tried to: each function is stored once
 
 
+def input_shapes(inputs: dict[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The request's input shapes by name, as keys of kept traces and start vectors hold them."""
+    return tuple(sorted((n, tuple(t.shape.as_list())) for n, t in inputs.items()))
+
+
 def _path(cache_dir: str, key: Any) -> Path:
     import tensorflow as tf
 
@@ -43,9 +48,10 @@ def _path(cache_dir: str, key: Any) -> Path:
 def store(cache_dir: str | None, key: Any, fn: Any, variables: dict[str, Any]) -> bool:
     """Write ``fn``'s concrete function (a ``tf.function`` with an input signature) under ``key``, once per
     process; False (and nothing written) when it cannot be kept or was already."""
-    if not cache_dir or str(_path(cache_dir, key)) in _STORED:
+    path = _path(cache_dir, key) if cache_dir else None
+    if path is None or str(path) in _STORED:
         return False
-    _STORED.add(str(_path(cache_dir, key)))
+    _STORED.add(str(path))
     try:
         concrete = fn.get_concrete_function()
     except Exception:  # noqa: BLE001 - not a traced tf.function: nothing to keep
@@ -78,7 +84,7 @@ def store(cache_dir: str | None, key: Any, fn: Any, variables: dict[str, Any]) -
              specs=np.array([f"{t.dtype.name}|{t.shape.as_list() if t.shape.rank is not None else None}"
                              for t in graph.inputs if id(t) not in internal]), **constants)
     try:
-        write_atomically(_path(cache_dir, key), buf.getvalue())
+        write_atomically(path, buf.getvalue())
     except OSError as err:   # a full or read-only disk: the next process traces again
         log.warning("trace cache %s is not writable (%s)", cache_dir, err)
         return False
@@ -147,7 +153,7 @@ def _bind(stored: dict[str, Any], variables: dict[str, Any]) -> Any:
 def _subspace_path(op: Any, kind: str) -> Path | None:
     if not getattr(op, "trace_dir", None) or not op.model.fingerprint:
         return None
-    shapes = tuple(sorted((n, tuple(t.shape.as_list())) for n, t in op.inputs.items()))
+    shapes = input_shapes(op.inputs)
     key = ("subspace", kind, op.model.fingerprint, op.model.signature, op.of, op.axis.names, op.reduce,
            op.compute_dtype, shapes)
     return Path(op.trace_dir) / "operators" / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".start.npy")
