@@ -14,18 +14,23 @@ def model_dir(tmp_path_factory):
     return {name: build(root / name) for name, build in models.BUILDERS.items()}
 
 
-@pytest.fixture(scope="session")
-def loaded(model_dir):
+def loader(paths):
+    """``get(name)``: the model saved at ``paths[name]``, loaded on first use and then kept."""
     from worker.engine import load_model
 
     cache: dict[str, object] = {}
 
     def get(name: str):
         if name not in cache:
-            cache[name] = load_model(str(model_dir[name]))
+            cache[name] = load_model(str(paths[name]))
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dir):
+    return loader(model_dir)
 
 
 def rand(shape, dtype="float32", seed=0):

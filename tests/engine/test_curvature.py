@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests import models
+from tests.engine.conftest import loader
 from tests.engine.reference import curvature_references
 
 RNG = np.random.default_rng(11)
@@ -52,19 +53,11 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    from worker.engine import load_model
-
     root = tmp_path_factory.mktemp("curvature")
     paths = {"softmax32": models.softmax_mlp(root / "softmax32"),
              "softmax64": models.softmax_mlp(root / "softmax64", dtype="float64"),
              "float64": models.float64_model(root / "float64"), "mlp": models.mlp(root / "mlp")}
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = load_model(str(paths[name]))
-        return cache[name]
-    return get
+    return loader(paths)
 
 
 def inputs_of(name: str) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests import loop_models
+from tests.engine.conftest import loader
 
 SEQ = np.random.default_rng(0).standard_normal((2, 5, 3)).astype("float32")
 X0 = np.random.default_rng(1).standard_normal(4)
@@ -18,17 +19,9 @@ X0 = np.random.default_rng(1).standard_normal(4)
 
 @pytest.fixture(scope="module")
 def loop_model(tmp_path_factory):
-    from worker.engine import load_model
-
     root = tmp_path_factory.mktemp("loops")
     paths = {"gru": loop_models.gru(root / "gru"), "rk4": loop_models.rk4(root / "rk4")}
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = load_model(str(paths[name]))
-        return cache[name]
-    return get
+    return loader(paths)
 
 
 def operator(model, **options):

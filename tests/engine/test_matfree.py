@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests import models
+from tests.engine.conftest import loader
 
 RNG = np.random.default_rng(7)
 X32 = RNG.standard_normal((4, 6)).astype("float32")
@@ -58,15 +59,7 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(paths):
-    from worker.engine import load_model
-
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = load_model(str(paths[name]))
-        return cache[name]
-    return get
+    return loader(paths)
 
 
 def inputs_of(name: str) -> dict[str, np.ndarray]:
