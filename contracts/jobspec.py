@@ -241,6 +241,12 @@ class JobOptions(BaseModel):
                                   "positive definite")
     curvature: Literal["hessian", "ggn"] | None = Field(None, description="ihvp: the matrix A, 'hessian' (H of a "
                                                         "scalar of; the default) or 'ggn' (with loss)")
+    precondition: Literal["none", "diagonal"] | None = Field(
+        None, description="ihvp: 'none' (plain conjugate gradients; the default) or 'diagonal' (Jacobi-preconditioned "
+        "CG, M = diag(max(diag(A), 0) + damping): the diagonal of A exact from unit-vector products when the wrt size "
+        f"is at most {estimators.EXACT_DIAGONAL_MAX}, else Hutchinson's estimate from {estimators.DIAGONAL_PROBES} "
+        "Rademacher products; these products are counted, and the result attributes name the preconditioner). "
+        "Fewer iterations when A's diagonal spans orders of magnitude")
 
     @field_validator("sparsity", mode="before")
     @classmethod

@@ -154,8 +154,13 @@ def _passes(kind: KindSpec, spec: QueuedJob, mode: str, of_shape: tuple | None, 
             seeds = shapes.get(SEEDS_MEMBER)
             k = seeds[0][0] if seeds and seeds[0] else 1
             steps = min(n_wrt or 1000, spec.max_iterations or 1000, 100)
-            return Passes(unit="products", count=k * steps * per, estimate=True,
-                          note=f"{what}, one a seed per conjugate-gradient iteration until tol (guessed {steps})")
+            diagonal, more = 0, ""
+            if spec.precondition == "diagonal":   # the Jacobi preconditioner's diagonal, exact or estimated
+                diagonal = n_wrt if n_wrt and n_wrt <= estimators.EXACT_DIAGONAL_MAX else estimators.DIAGONAL_PROBES
+                more = f", and {diagonal} for the preconditioner's diagonal"
+            return Passes(unit="products", count=(k * steps + diagonal) * per, estimate=True,
+                          note=f"{what}, one a seed per conjugate-gradient iteration until tol (guessed {steps})"
+                          + more)
         rank = spec.rank or 1
         if algorithm == "lanczos":
             count = min(n_wrt, 2 * rank + 10) if n_wrt else 2 * rank + 10

@@ -1,7 +1,8 @@
 """The options of the matrix-free kinds for ``jacobian compute`` and ``jacobian submit`` (``--seeds``, ``--rank``,
 ``--tol``, ``--max-iterations``, ``--allow-unconverged``, ``--samples``; the curvature kinds' ``--loss``,
-``--labels``, ``--damping``, ``--curvature``; ``--probes``, ``--steps``, ``--sigma``: each the request field of its
-name) and the seeds file they read; the kinds themselves run through ``jacobian.cli_compute`` like every other."""
+``--labels``, ``--damping``, ``--curvature``, ``--precondition``; ``--probes``, ``--steps``, ``--sigma``: each the
+request field of its name) and the seeds file they read; the kinds themselves run through ``jacobian.cli_compute``
+like every other."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sigma", type=float, help="spectral_density: Gaussian smoothing width (default 1%% of the range "
                    "of the Ritz values)")
     p.add_argument("--curvature", choices=tuple(CURVATURES), help="ihvp: the matrix A (default hessian)")
+    p.add_argument("--precondition", choices=("none", "diagonal"), help="ihvp: 'diagonal' for Jacobi-preconditioned "
+                   "CG (the diagonal exact for a wrt of at most 64 elements, else 100 Hutchinson probes; those "
+                   "products counted); default none")
 
 
 def kind_options(args: argparse.Namespace) -> dict[str, Any]:

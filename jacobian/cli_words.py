@@ -8,7 +8,7 @@ from typing import Any
 
 FLAGS = ("wrt", "of", "rank", "tol", "samples", "sparsity", "reduce", "output_dtype", "kind", "mode", "seeds",
          "memory_budget_bytes", "chunk_rows", "inputs", "max_iterations", "allow_unconverged", "loss", "labels",
-         "damping", "curvature", "probes", "steps", "sigma")
+         "damping", "curvature", "probes", "steps", "sigma", "precondition")
 # the API's words for a fix inside a message, in the command line's
 SPELLINGS = (("reduce='sum'", "--reduce sum"),
              ("(listed by GET /v1/models/signature)", "(--wrt variables/<name> with a name the model does not "

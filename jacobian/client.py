@@ -174,10 +174,11 @@ class JacobianClient:
         options (``of``, ``wrt``, ``kind``, ``mode``, ``memory_budget_bytes``, ``reduce``,
         ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``, ``precision``; the matrix-free
         kinds' ``rank``, ``tol``, ``max_iterations``, ``allow_unconverged``, ``samples`` and ``seeds``, an array
-        sent as the member ``__seeds__``; the curvature kinds' ``loss``, ``damping``, ``curvature`` and
-        ``labels``, the name of an entry of ``inputs`` that holds the labels (sent with the inputs); ``wrt`` may be
-        a list; ``sparsity``: ``"auto"``, ``{"pattern_from": job_id}`` or ``{"pattern_uri": url}``; ``notify``:
-        ``{"url": ..., "events": [...]}``, webhooks, README 'Webhooks'); ``None`` values are left out."""
+        sent as the member ``__seeds__``; the curvature kinds' ``loss``, ``damping``, ``curvature``,
+        ``precondition`` and ``labels``, the name of an entry of ``inputs`` that holds the labels (sent with the
+        inputs); ``wrt`` may be a list; ``sparsity``: ``"auto"``, ``{"pattern_from": job_id}`` or
+        ``{"pattern_uri": url}``; ``notify``: ``{"url": ..., "events": [...]}``, webhooks, README 'Webhooks');
+        ``None`` values are left out."""
         body = _npz_body(inputs, options)
         return self.submit_npz(model_path, body, signature=signature, idempotency_key=idempotency_key, **options)
 

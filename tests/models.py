@@ -312,3 +312,20 @@ def build_models(base: Path, names: tuple[str, ...] = API_MODELS) -> Path:
         if not (root / name / "saved_model.pb").exists():
             BUILDERS[name](root / name)
     return root
+
+
+def quadratic_form(path: Path, *, n: int = 40, dtype: str = "float64") -> Path:
+    """``loss = 0.5 x^T a x``: its Hessian w.r.t. ``x`` (n,) is ``(a + a^T) / 2`` for the input ``a`` (n, n), so a
+    test sets its scaling and spectrum (a badly scaled one for preconditioning)."""
+    import tensorflow as tf
+
+    dt = tf.as_dtype(dtype)
+
+    class QuadraticForm(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([n], dt, name="x"), tf.TensorSpec([n, n], dt, name="a")])
+        def __call__(self, x, a):
+            return {"loss": 0.5 * tf.tensordot(x, tf.linalg.matvec(a, x), 1)}
+
+    m = QuadraticForm()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path

@@ -65,6 +65,7 @@ class MatFreeRun:
     labels: str | None = None
     damping: float | None = None
     curvature: str | None = None
+    precondition: str | None = None
     max_iterations: int | None = None
     allow_unconverged: bool = False
     probes: int | None = None

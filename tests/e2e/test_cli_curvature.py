@@ -69,6 +69,12 @@ def test_compute_ggn_vp_fisher_vp_and_ihvp(f64: Path, refs, tmp_path: Path) -> N
     manifest = json.loads((tmp_path / "out" / "i" / "manifest.json").read_text())
     assert manifest["kind"] == "ihvp" and max(manifest["residuals"]) <= 1e-10
     assert list(group["residuals"][...]) == manifest["residuals"]
+    proc = jacobian_cli(*base, "--kind", "ihvp", "--curvature", "ggn", "--damping", "0.05", "--tol", "1e-10",
+                        "--precondition", "diagonal", "--job-id", "p")   # Jacobi PCG: the exact diagonal (n = 15)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    group = zarr.open_group(proc.stdout.strip(), mode="r")
+    np.testing.assert_allclose(group["solutions"][...].reshape(2, 15), want, rtol=1e-8, atol=1e-10)
+    assert group.attrs["preconditioner_method"] == "exact" and group.attrs["preconditioner_products"] == 15
 
 
 def test_compute_refusals_and_failures_speak_the_cli(f64: Path, tmp_path: Path) -> None:

@@ -69,16 +69,19 @@ def test_fisher_vp_with_labels_as_an_input_over_every_variable(client, redis_con
     assert picture.status_code == 200 and picture.content.startswith(b"\x89PNG")
 
 
-def test_ihvp_of_the_gauss_newton_matrix_from_an_npz_body(client, redis_conn, model_root):
+@pytest.mark.parametrize("precondition", [None, "diagonal"])
+def test_ihvp_of_the_gauss_newton_matrix_from_an_npz_body(client, redis_conn, model_root, precondition):
     import xarray as xr
 
     model = load_model(str(model_root / "f64"))
     seeds = np.random.default_rng(3).normal(size=(4, 15 + 20))
     buf = io.BytesIO()
     np.savez(buf, x=X, __seeds__=seeds)
-    r = client.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"},
-                    params={"model_path": "f64", "of": "y", "wrt": "x,variables/w", "kind": "ihvp",
-                            "curvature": "ggn", "loss": "sigmoid_cross_entropy", "damping": "0.01", "tol": "1e-9"})
+    params = {"model_path": "f64", "of": "y", "wrt": "x,variables/w", "kind": "ihvp", "curvature": "ggn",
+              "loss": "sigmoid_cross_entropy", "damping": "0.01", "tol": "1e-9"}
+    if precondition:
+        params["precondition"] = precondition
+    r = client.post("/v1/jobs", content=buf.getvalue(), headers={"Content-Type": "application/x-npz"}, params=params)
     assert r.status_code == 202, r.text
     record = finished_job(client, redis_conn, r.json()["id"])
     ds = xr.open_zarr(record["result"]["uri"])
@@ -91,6 +94,11 @@ def test_ihvp_of_the_gauss_newton_matrix_from_an_npz_body(client, redis_conn, mo
     assert np.all(true <= 1e-8), true
     assert np.all(ds["iterations"].values >= 1) and list(ds["solutions"].dims) == ["seed", "wrt"]
     assert record["result"]["shape"] == [4, 35]
+    if precondition:   # the 35 unit-vector products of the exact diagonal, counted with the solve's
+        assert ds.attrs["preconditioner_method"] == "exact" and ds.attrs["preconditioner_products"] == 35
+        assert record["plan"]["products"]["ggn_vp"] >= 35 + int(ds["iterations"].values.sum())
+    else:
+        assert ds.attrs["preconditioner"] == "none"
 
 
 def test_ggn_kinds_through_the_python_client(client, redis_conn, model_root):

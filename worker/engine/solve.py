@@ -8,6 +8,15 @@ reached ``tol`` leaves the batch), the small algebra per seed in float64 on the 
 does not agree, CG restarts from ``x`` with the true residual (at most ``RESTARTS`` times, within
 ``max_iterations`` per seed). The result holds each seed's solution, true relative residual and iterations.
 
+``precondition="diagonal"`` runs Jacobi-preconditioned CG (PCG) with ``M = diag(max(diag(A), 0) + damping)``: the
+diagonal of ``A`` exact from unit-vector products (blocks of them) when the wrt size is at most
+``contracts.estimators.EXACT_DIAGONAL_MAX``, else Hutchinson's estimate from ``DIAGONAL_PROBES`` Rademacher products
+(``estimators.diagonal``); entries below zero (an indefinite Hessian's, or an estimate's noise) are clipped to zero
+so ``M`` is positive definite. Those products are counted with the solve's and named in the attributes
+(``preconditioner``, ``preconditioner_products``, ``preconditioner_clipped``). On a badly scaled ``A`` (diagonal
+entries over orders of magnitude) PCG needs far fewer iterations; the stopping test is unchanged: the true,
+unpreconditioned residual against ``tol``. ``"none"`` (the default) is plain CG.
+
 Failures are loud (the job fails naming what to change): a seed still over ``tol`` after ``max_iterations``
 (``NotConverged``, field ``max_iterations``), and a direction ``p`` with ``p^T (A + damping I) p <= 0``, which a
 positive definite matrix cannot have (``NotPositiveDefinite``, field ``damping``): an indefinite Hessian needs a
@@ -24,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from contracts.estimators import DIAGONAL_PROBES, EXACT_DIAGONAL_MAX
 from contracts.kinds import kind_spec
+from worker.engine import estimators
 from worker.engine.errors import InvalidRequest, NotConverged, NotPositiveDefinite
 from worker.engine.matfree import MatFreeResult, Operator
 
@@ -32,6 +43,7 @@ DEFAULT_TOL = 1e-5
 DEFAULT_MAX_ITERATIONS = 1000
 RESTARTS = 2
 SHOWN = 8   # seeds named in a message
+PRECONDITIONERS = ("none", "diagonal")   # the ``precondition`` field's values; None is "none"
 
 
 def _checked(damping: object, tol: object, max_iterations: object) -> tuple[float, float, int]:
@@ -54,22 +66,27 @@ def _checked(damping: object, tol: object, max_iterations: object) -> tuple[floa
 
 
 def conjugate_gradients(op: Operator, seeds: Any, *, damping: float, product: str = "hvp", kind: str = "ihvp",
-                        tol: float | None = None, max_iterations: int | None = None, chunk_rows: int | None = None,
-                        progress: Callable[[int, int | None], None] | None = None,
+                        tol: float | None = None, max_iterations: int | None = None, precondition: str | None = None,
+                        chunk_rows: int | None = None, progress: Callable[[int, int | None], None] | None = None,
                         should_stop: Callable[[], bool] | None = None) -> MatFreeResult:
     """``(A + damping I)^-1 v`` for seeds ``(k,) + wrt.shape`` (or flat), ``A`` the matrix of ``product``:
-    ``solutions (k, n_wrt)``, ``residuals (k,)`` (true, relative), ``iterations (k,)`` (module docstring)."""
+    ``solutions (k, n_wrt)``, ``residuals (k,)`` (true, relative), ``iterations (k,)``; ``precondition``
+    ``"none"`` (None) or ``"diagonal"`` (Jacobi PCG; module docstring)."""
     from worker.engine.spectra import ProductRun
 
     if kind_spec(product).scalar_of:
         op.require_hessian(kind)
     damping, tol, max_iterations = _checked(damping, tol, max_iterations)
+    precondition = _checked_preconditioner(precondition)
     b = op.checked_seeds(kind, seeds).astype(np.float64)
     k = len(b)
     run = ProductRun(op, chunk_rows, progress, should_stop)
 
     def matvec(v: np.ndarray) -> np.ndarray:
         return run.apply(product, v) + damping * v
+
+    inverse, preconditioner = (None, {"preconditioner": "none"}) if precondition == "none" or not b.any() else \
+        jacobi(lambda v: run.apply(product, v), b.shape[1], damping)
 
     norms = np.sqrt(np.einsum("ij,ij->i", b, b))
     x = np.zeros_like(b)
@@ -80,7 +97,8 @@ def conjugate_gradients(op: Operator, seeds: Any, *, damping: float, product: st
     residuals[todo] = 1.0
     steps = restarts = 0
     while todo.size:
-        steps = _iterate(matvec, x, r, norms, iterations, todo, tol=tol, limit=max_iterations, run=run, steps=steps)
+        steps = _iterate(matvec, inverse, x, r, norms, iterations, todo, tol=tol, limit=max_iterations, run=run,
+                         steps=steps)
         true = b[todo] - matvec(x[todo])
         r[todo] = true
         residuals[todo] = np.sqrt(np.einsum("ij,ij->i", true, true)) / norms[todo]
@@ -98,20 +116,50 @@ def conjugate_gradients(op: Operator, seeds: Any, *, damping: float, product: st
                            "system converges faster) or loosen tol", field="max_iterations")
     solutions = x.astype(op.dtype)
     return MatFreeResult(
-        kind=kind, method="conjugate gradients", iterations=int(iterations.max(initial=0)), residuals=residuals,
+        kind=kind, method="conjugate gradients" if inverse is None else "preconditioned conjugate gradients",
+        iterations=int(iterations.max(initial=0)), residuals=residuals,
         converged=True, products=run.products,
         arrays={"solutions": solutions, "residuals": residuals, "iterations": iterations},
         attrs={"damping": damping, "tol": tol, "max_iterations": max_iterations, "curvature": product,
-               "restarts": restarts, "seeds": k, "residual": "||(A + damping I) x - v|| / ||v||"})
+               "restarts": restarts, "seeds": k, "residual": "||(A + damping I) x - v|| / ||v||",
+               "precondition": precondition, **preconditioner})
 
 
-def _iterate(matvec: Callable[[np.ndarray], np.ndarray], x: np.ndarray, r: np.ndarray, norms: np.ndarray,
-             iterations: np.ndarray, todo: np.ndarray, *, tol: float, limit: int, run: Any, steps: int) -> int:
-    """CG on the seeds ``todo`` from ``x`` with residuals ``r`` (updated in place) until each one's recursive residual
-    is at most ``tol`` of its norm or it has run ``limit`` iterations; returns the batched steps done so far."""
-    p = r[todo].copy()
-    rs = np.einsum("ij,ij->i", p, p)
-    active = np.arange(len(todo))[np.sqrt(rs) > tol * norms[todo]]
+def _checked_preconditioner(precondition: object) -> str:
+    if precondition is None:
+        return "none"
+    if precondition not in PRECONDITIONERS:
+        raise InvalidRequest(f"precondition: {precondition!r} is not a preconditioner; use one of "
+                             + ", ".join(map(repr, PRECONDITIONERS)) + " (default 'none')", field="precondition")
+    return str(precondition)
+
+
+def jacobi(apply: Callable[[np.ndarray], np.ndarray], n: int, damping: float) -> tuple[np.ndarray, dict[str, Any]]:
+    """The inverse of the Jacobi preconditioner ``M = diag(max(diag(A), 0) + damping)`` ``(n,)`` from ``apply(V) = A
+    V`` (rows), and the attributes that say how it was made: the diagonal exact (``n`` unit-vector products) when
+    ``n <= EXACT_DIAGONAL_MAX``, else Hutchinson's estimate (``DIAGONAL_PROBES`` Rademacher products)."""
+    got = estimators.diagonal(apply, n, probes=DIAGONAL_PROBES, method="exact" if n <= EXACT_DIAGONAL_MAX
+                              else "hutchinson")
+    clipped = int(np.count_nonzero(got.diagonal < 0))
+    m = np.maximum(got.diagonal, 0.0) + damping
+    how = "exact diagonal" if got.method == "exact" else f"Hutchinson diagonal, {got.probes} Rademacher probes"
+    return 1.0 / m, {"preconditioner": f"jacobi: diag(max(diag(A), 0) + damping), {how}",
+                     "preconditioner_method": got.method, "preconditioner_products": got.probes,
+                     "preconditioner_clipped": clipped}
+
+
+def _iterate(matvec: Callable[[np.ndarray], np.ndarray], inverse: np.ndarray | None, x: np.ndarray, r: np.ndarray,
+             norms: np.ndarray, iterations: np.ndarray, todo: np.ndarray, *, tol: float, limit: int, run: Any,
+             steps: int) -> int:
+    """CG (PCG with ``M^-1 = diag(inverse)`` unless None) on the seeds ``todo`` from ``x`` with residuals ``r``
+    (updated in place) until each one's recursive residual is at most ``tol`` of its norm or it has run ``limit``
+    iterations; returns the batched steps done so far."""
+    def solve(res: np.ndarray) -> np.ndarray:   # z = M^-1 r
+        return res if inverse is None else res * inverse
+
+    p = solve(r[todo]).copy()
+    rz = np.einsum("ij,ij->i", r[todo], p)
+    active = np.arange(len(todo))[np.sqrt(np.einsum("ij,ij->i", r[todo], r[todo])) > tol * norms[todo]]
     while active.size:
         run.stop_point()
         rows = todo[active]
@@ -125,14 +173,16 @@ def _iterate(matvec: Callable[[np.ndarray], np.ndarray], x: np.ndarray, r: np.nd
                 f"<= 0 (seed {i}, iteration {int(iterations[i]) + 1}): the damped matrix is not positive definite; "
                 "raise damping above the magnitude of the most negative eigenvalue of A (hessian_eig shows it), or "
                 "use curvature 'ggn' (positive semi-definite)", field="damping")
-        alpha = rs[active] / curvature
+        alpha = rz[active] / curvature
         x[rows] += alpha[:, None] * p[active]
         r[rows] -= alpha[:, None] * ap
-        new = np.einsum("ij,ij->i", r[rows], r[rows])
-        p[active] = r[rows] + (new / rs[active])[:, None] * p[active]
-        rs[active] = new
+        z = solve(r[rows])
+        new = np.einsum("ij,ij->i", r[rows], z)
+        p[active] = z + (new / rz[active])[:, None] * p[active]
+        rz[active] = new
         iterations[rows] += 1
         steps += 1
         run.report(steps, None)
-        active = active[(np.sqrt(new) > tol * norms[rows]) & (iterations[rows] < limit)]
+        norm = new if inverse is None else np.einsum("ij,ij->i", r[rows], r[rows])
+        active = active[(np.sqrt(norm) > tol * norms[rows]) & (iterations[rows] < limit)]
     return steps

@@ -6,10 +6,11 @@ colour (issue 27).
   holds the forward call (rewritten to give its intermediates) and the backward function. Every rule of the walk is
   an over-approximation, so the pattern is a superset of H's non-zeros; it is symmetrized (``P | P^T``).
 - Colouring: star colouring (Gebremedhin, Manne, Pothen 2005, algorithm 4.1: a distance-1 colouring in which every
-  path on 4 vertices uses at least 3 colours), greedy in natural order. ``recovery`` then checks, entry by entry,
-  that each ``H_ij`` is read from ``H s_{colour j}`` at ``i`` (no other neighbour of ``i`` has ``j``'s colour) or,
-  by symmetry, from ``H s_{colour i}`` at ``j``; a colouring that leaves one entry unrecoverable is never used: the
-  distance-2 colouring of the columns (direct recovery, ``colouring.colour`` in forward mode) is taken instead.
+  path on 4 vertices uses at least 3 colours), greedy in natural order, in time linear in the non-zeros (a dense hub
+  row costs its length once). ``recovery`` then checks, entry by entry, that each ``H_ij`` is read from
+  ``H s_{colour j}`` at ``i`` (no other neighbour of ``i`` has ``j``'s colour) or, by symmetry, from
+  ``H s_{colour i}`` at ``j``; a colouring that leaves one entry unrecoverable is never used: the distance-2
+  colouring of the columns (direct recovery, ``colouring.colour`` in forward mode) is taken instead.
 - ``entries`` reads rows of H out of the compressed products ``(colours, n)``, row ``c`` = ``H s_c``.
 """
 
@@ -23,7 +24,6 @@ import numpy as np
 from worker.engine.sparsity.colouring import Colouring, colour
 
 STAR = "star"                 # the Colouring mode of a star colouring (symmetric recovery)
-STAR_WORK_LIMIT = 50_000_000  # visits of the greedy star colouring beyond which the distance-2 colouring is taken
 
 
 def detect(model: Any, inputs: dict[str, Any], *, of: str, wrt: str, no_rule: dict[str, str] | None = None) -> Any:
@@ -61,46 +61,69 @@ def symmetrized(pattern: Any) -> Any:
     return out
 
 
-def star_colouring(pattern: Any, *, limit: int | None = None, work_limit: int = STAR_WORK_LIMIT) -> Colouring | None:
+def star_colouring(pattern: Any, *, limit: int | None = None) -> Colouring | None:
+    """Greedy star colouring of the adjacency graph of the symmetric ``pattern`` (the diagonal ignored): the fewer
+    colours of two orders, largest degree first (a hub, a dense row, first) and the natural order (kept on a tie);
+    ``greedy_star`` colours each. None when both need more than ``limit`` colours. The natural order alone gives a
+    hub that comes late as many colours as vertices before it: uncoloured, the hub forbids them all to each other."""
+    csr = pattern.tocsr()
+    degrees = np.diff(csr.indptr)
+    first = greedy_star(csr, np.argsort(-degrees, kind="stable"), limit=limit)
+    natural = greedy_star(csr, None, limit=limit if first is None else min(limit or first.count, first.count))
+    return natural if natural is not None else first
+
+
+def greedy_star(pattern: Any, order: np.ndarray | None = None, *, limit: int | None = None) -> Colouring | None:
     """Greedy star colouring of the adjacency graph of the symmetric ``pattern`` (the diagonal ignored), algorithm
-    4.1 of Gebremedhin, Manne and Pothen (2005): vertex ``v`` may not take the colour of a neighbour ``w``, nor the
-    colour of ``x`` two steps away when ``w`` is uncoloured or when ``v - w - x - y`` would be a path of two
-    colours. None when it needs more than ``limit`` colours or more than ``work_limit`` visits."""
+    4.1 of Gebremedhin, Manne and Pothen (2005), the vertices taken in ``order`` (None: natural): vertex ``v`` may
+    not take the colour of a neighbour ``w``, nor the colour of ``x`` two steps away when ``w`` is uncoloured or when
+    ``v - w - x - y`` would be a path of two colours. None when it needs more than ``limit`` colours.
+
+    Time O(non-zeros): nothing walks two steps from ``v``. Each vertex ``w`` keeps, as bit masks, the colours of its
+    coloured neighbours (``seen``: what an uncoloured ``w`` forbids) and, once coloured, the colours of its
+    neighbours ``x`` that have another neighbour of ``w``'s colour (``hubbed``: what a coloured ``w`` forbids
+    beyond its own colour); each ``x`` keeps, per colour, the first neighbour of that colour (or that there are
+    two). Colouring ``z`` updates them over ``z``'s own neighbours only, so a hub (a dense row: one variable
+    coupled to all) costs its degree once, not at every neighbour."""
     csr = pattern.tocsr()
     n = csr.shape[0]
-    indptr, indices = csr.indptr, csr.indices
-    neighbours = [[int(j) for j in indices[indptr[i]:indptr[i + 1]] if j != i] for i in range(n)]
+    rows = np.repeat(np.arange(n), np.diff(csr.indptr))
+    off = rows != csr.indices                                          # the diagonal is no edge
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows[off], minlength=n))]).tolist()
+    indices = csr.indices[off].tolist()
     colours = [-1] * n
-    forbidden: dict[int, int] = {}
-    count, work = 0, 0
-    for v in range(n):
-        stamp = v
-        for w in neighbours[v]:
+    seen = [0] * n                                  # per vertex: the colours of its coloured neighbours
+    hubbed = [0] * n                                # per coloured w: the colours it forbids beyond its own
+    firsts: list[dict[int, int]] = [{} for _ in range(n)]   # per x: colour -> its first such neighbour; -1: two+
+    count = 0
+    for v in range(n) if order is None else order.tolist():
+        nb = indices[indptr[v]:indptr[v + 1]]
+        taken = 0
+        for w in nb:
             cw = colours[w]
-            if cw >= 0:
-                forbidden[cw] = stamp
-            for x in neighbours[w]:
-                cx = colours[x]
-                if x == v or cx < 0:
-                    continue
-                work += 1
-                if cw < 0:
-                    forbidden[cx] = stamp
-                    continue
-                for y in neighbours[x]:
-                    work += 1
-                    if y != w and colours[y] == cw:
-                        forbidden[cx] = stamp
-                        break
-        if work > work_limit:
-            return None
-        c = 0
-        while forbidden.get(c) == stamp:
-            c += 1
+            taken |= seen[w] if cw < 0 else (1 << cw) | hubbed[w]
+        c = (~taken & (taken + 1)).bit_length() - 1                  # the least colour not taken
         if limit is not None and c >= limit:
             return None
         colours[v] = c
         count = max(count, c + 1)
+        bit, own, mine = 1 << c, 0, firsts[v]
+        for x in nb:
+            seen[x] |= bit
+            cx, first = colours[x], firsts[x]
+            f = first.get(c)
+            if f is None:
+                first[c] = v
+            else:
+                if f >= 0:                                            # f - x - v: x's second neighbour of colour c
+                    first[c] = -1
+                    if cx >= 0:
+                        hubbed[f] |= 1 << cx
+                if cx >= 0:
+                    own |= 1 << cx
+            if cx >= 0 and mine.get(cx) == -1:                        # x - v - y with y coloured as x
+                hubbed[x] |= bit
+        hubbed[v] = own
     return Colouring(STAR, np.asarray(colours, np.int32), max(count, 1))
 
 
