@@ -142,12 +142,12 @@ async def settle(shared: Shared, *, timeout_s: float) -> dict[str, dict[str, Any
     conn = Conn(shared.host, shared.port)
     records: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
-    headers = shared.keys[0].headers
     try:
         pending = list(shared.ids)
         while pending:
             still = []
-            for job_id in pending:
+            for n, job_id in enumerate(pending):  # each key in turn: no key's request rate is exceeded
+                headers = shared.keys[n % len(shared.keys)].headers
                 code, payload = await conn.request("GET", f"/v1/jobs/{job_id}", headers=headers)
                 shared.count_status("GET /v1/jobs/{id}", code, payload, conn.last_headers)
                 if code == 429:
