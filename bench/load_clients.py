@@ -136,6 +136,7 @@ async def submitter(shared: Shared, k: int, seeds: list[int], *, burst: int, win
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         await asyncio.gather(*(submit_one(shared, shared.keys[k], seeds[i], give_up_at=give_up_at)
                                for i in group))
+    shared.submit.seconds = max(shared.submit.seconds, time.monotonic() - t0)  # the last key's end
 
 
 # -- the status poller -----------------------------------------------------------------------------
