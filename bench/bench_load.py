@@ -21,6 +21,7 @@ httpx, so that the load generator takes as little as it can of the cores the ser
 
 Goal (issue 5): no error, every job terminal, counts agree, at 200 jobs and 500 requests/s for 60 s.
 Run: .venv/bin/python -m bench.bench_load [--jobs 200] [--rate 500] [--duration-s 60] [--out bench/results]
+``--mode keys`` is the run of issue 29 (API keys with quotas, SSE followers, webhooks): see bench/load_keys.py.
 ``tests/integration/test_load.py`` runs the same at the same figures and asserts the checks.
 """
 
@@ -62,6 +63,7 @@ class Conn:
         self.host, self.port = host, port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.last_headers: dict[str, str] = {}  # the last answer's headers, names lower-case
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -76,12 +78,14 @@ class Conn:
                 raise HttpError(f"{method} {path}: connection closed before an answer")
             status = int(status_line.split()[1])
             length, close = None, False
+            self.last_headers = {}
             while True:
                 line = await self.reader.readline()
                 if line in (b"\r\n", b""):
                     break
                 name, _, value = line.decode("latin-1").partition(":")
                 name = name.strip().lower()
+                self.last_headers[name] = value.strip()
                 if name == "content-length":
                     length = int(value)
                 elif name == "connection" and value.strip().lower() == "close":
@@ -358,9 +362,11 @@ def agreement(ids: list[str], final: dict[str, str], api: tuple[dict[str, int], 
 
 
 class Stack:
-    """redis-server, the API in ``api_workers`` processes and ``workers`` workers, on free ports."""
+    """redis-server, the API in ``api_workers`` processes and ``workers`` workers, on free ports; with ``notifier``
+    the webhook notifier too; ``extra_env`` (JACOBIAN_* settings) goes to every service process."""
 
-    def __init__(self, work: Path, *, api_workers: int, workers: int) -> None:
+    def __init__(self, work: Path, *, api_workers: int, workers: int, notifier: bool = False,
+                 extra_env: dict[str, str] | None = None) -> None:
         from tests import models
 
         redis_exe = shutil.which("redis-server")
@@ -375,7 +381,8 @@ class Stack:
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self.queue_name = f"jacobian-load-{uuid.uuid4().hex[:8]}"
         env = base_env(JACOBIAN_REDIS_URL=self.redis_url, JACOBIAN_RESULTS_URL=str(self.results),
-                       JACOBIAN_MODEL_ROOTS=str(models_root), JACOBIAN_QUEUE_NAME=self.queue_name)
+                       JACOBIAN_MODEL_ROOTS=str(models_root), JACOBIAN_QUEUE_NAME=self.queue_name,
+                       **(extra_env or {}))
         (work / "metrics").mkdir()
         self.procs = [Proc("redis", [redis_exe, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                      "--appendonly", "yes", "--dir", str(work)], env, work / "redis.log")]
@@ -384,6 +391,12 @@ class Stack:
                                {**env, "PROMETHEUS_MULTIPROC_DIR": str(work / "metrics")}, work / "api.log"))
         self.procs += [Proc(f"worker-{i}", jacobian_exe() + ["worker"], env, work / f"worker-{i}.log")
                        for i in range(workers)]
+        if notifier:
+            self.procs.append(Proc("notifier", jacobian_exe() + ["notifier"], env, work / "notifier.log"))
+
+    @property
+    def api_pid(self) -> int:
+        return next(p.proc.pid for p in self.procs if p.name == "api")
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
         import httpx
@@ -470,17 +483,33 @@ def main() -> None:
     from bench.common import machine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--mode", choices=("plain", "keys"), default="plain",
+                    help="plain: the run above; keys: API keys with quotas, SSE followers and webhooks "
+                         "(bench/load_keys.py, issue 29), whose defaults are 1000 jobs, 20 keys, 300 s")
+    ap.add_argument("--jobs", type=int, default=None, help="default 200 (plain), 1000 (keys)")
     ap.add_argument("--rate", type=float, default=500.0, help="status requests per second")
-    ap.add_argument("--duration-s", type=float, default=60.0)
+    ap.add_argument("--duration-s", "--duration", type=float, default=None, help="default 60 (plain), 300 (keys)")
     ap.add_argument("--connections", type=int, default=32, help="keep-alive connections for the polling")
     ap.add_argument("--api-workers", type=int, default=2, help="uvicorn processes")
     ap.add_argument("--workers", type=int, default=2, help="jacobian worker processes")
+    keyed = ap.add_argument_group("--mode keys")
+    keyed.add_argument("--keys", type=int, default=20, help="API keys, each with quotas and a webhook secret")
+    keyed.add_argument("--followers", type=int, default=200, help="SSE followers at once")
+    keyed.add_argument("--burst", type=int, default=8, help="jobs a key sends at once")
+    keyed.add_argument("--max-queued", type=int, default=5, help="each key's quota of jobs waiting for a worker")
+    keyed.add_argument("--requests-per-s", type=float, default=100.0, help="each key's request rate quota")
+    keyed.add_argument("--hook-fail-rate", type=float, default=0.1,
+                       help="share of deliveries whose first attempt the receiver answers 500")
     ap.add_argument("--out", default=None, help="folder for the JSON summary")
     args = ap.parse_args()
+    if args.mode == "keys":
+        keys_main(args, machine())
+        return
+    jobs = args.jobs or 200
+    duration_s = args.duration_s or 60.0
     work = Path(tempfile.mkdtemp(prefix="bench-load-"))
     try:
-        summary = run_load(work, jobs=args.jobs, rate=args.rate, duration_s=args.duration_s,
+        summary = run_load(work, jobs=jobs, rate=args.rate, duration_s=duration_s,
                            connections=args.connections, api_workers=args.api_workers, workers=args.workers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -496,6 +525,29 @@ def main() -> None:
         with open(os.path.join(args.out, "load.json"), "w") as fh:
             json.dump(summary, fh, indent=2)
     print(json.dumps(summary))
+    sys.exit(1 if summary["problems"] else 0)
+
+
+def keys_main(args: argparse.Namespace, machine: dict[str, Any]) -> None:
+    """``--mode keys``: ``bench.load_keys.run_keys`` with the arguments; PASS/FAIL per goal, JSON to
+    ``--out``/load_keys.json; exit 1 when a goal failed."""
+    from bench.load_keys import Plan, report, run_keys
+
+    plan = Plan(jobs=args.jobs or 1000, keys=args.keys, followers=args.followers, rate=args.rate,
+                duration_s=args.duration_s or 300.0, connections=args.connections, api_workers=args.api_workers,
+                workers=args.workers, burst=args.burst, max_queued=args.max_queued,
+                requests_per_s=args.requests_per_s, hook_fail_rate=args.hook_fail_rate)
+    work = Path(tempfile.mkdtemp(prefix="bench-load-keys-"))
+    try:
+        summary = run_keys(work, plan)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary["machine"] = machine
+    print("\n== load, keyed (issue 29)\n" + report(summary), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "load_keys.json"), "w") as fh:
+            json.dump(summary, fh, indent=2)
     sys.exit(1 if summary["problems"] else 0)
 
 
