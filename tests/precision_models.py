@@ -38,3 +38,34 @@ def cancelling(path: Path, *, n: int = 6, m: int = 8, scale: float = 3e3) -> Pat
     module = Cancelling()
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
     return path
+
+
+def batch_norm(path: Path, *, training: bool = False) -> Path:
+    """``image`` (None, 6, 6, 2) -> conv -> ``tf.compat.v1.nn.fused_batch_norm`` (FusedBatchNormV3, which has no
+    float64 kernel) -> relu6 -> ``y``; ``training``: the batch norm in training mode (batch statistics)."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+
+    class Norm(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.k = tf.Variable(rng.normal(size=(3, 3, 2, 4)).astype("float32"), name="k")
+            self.scale = tf.Variable(rng.uniform(0.5, 2, size=4).astype("float32"), name="scale")
+            self.offset = tf.Variable(rng.normal(size=4).astype("float32"), name="offset")
+            self.mean = tf.Variable(rng.normal(size=4).astype("float32"), name="mean", trainable=False)
+            self.var = tf.Variable(rng.uniform(0.5, 2, size=4).astype("float32"), name="var", trainable=False)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 2], tf.float32, name="image")])
+        def __call__(self, image):
+            h = tf.nn.conv2d(image, self.k, 1, "SAME")
+            if training:
+                y, _, _ = tf.compat.v1.nn.fused_batch_norm(h, self.scale, self.offset, epsilon=1e-3, is_training=True)
+            else:
+                y, _, _ = tf.compat.v1.nn.fused_batch_norm(h, self.scale, self.offset, self.mean, self.var,
+                                                           epsilon=1e-3, is_training=False)
+            return {"y": tf.nn.relu6(y)}
+
+    module = Norm()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
+    return path
