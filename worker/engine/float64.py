@@ -9,7 +9,7 @@ values), so the matrix-free ``Operator`` computes its products in float64 exactl
 Ops that have no float64 kernel cannot run: ``FusedBatchNorm*`` in inference (``is_training`` false) is rewritten to
 plain math (``(x - mean) * rsqrt(var + epsilon) * scale + offset``); any other op whose float64 run fails makes
 ``Float64Unavailable`` say which (``"float64 probe unavailable: op X has no float64 kernel"``). A float64 model is
-its own float64 copy. The copy is built once per loaded model (``model.compiled``).
+its own float64 copy. The copy is built once per loaded model (``model.compiled.float64``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from worker.engine.model import LoadedModel
 
 FLOAT_TYPES = ("DT_FLOAT", "DT_HALF", "DT_BFLOAT16")
 _BATCH_NORMS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
-_CACHE_KEY = ("float64-model",)
 
 
 class Float64Unavailable(Exception):
@@ -40,7 +39,9 @@ def float64_model(model: LoadedModel) -> LoadedModel:
     Built once per loaded model; a failure is remembered too."""
     if is_float64(model):
         return model
-    found = model.compiled.get(_CACHE_KEY, lambda: _built(model))
+    if model.compiled.float64 is None:
+        model.compiled.float64 = _built(model)
+    found = model.compiled.float64
     if isinstance(found, Float64Unavailable):
         raise found
     return found
