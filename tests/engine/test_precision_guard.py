@@ -179,3 +179,13 @@ def test_a_model_without_float64_kernels_succeeds_with_the_reason_and_auto_warns
     assert manifest.get("precision_error") is None
     assert "FusedBatchNormV3" in manifest["precision_method"]
     assert "precision 'auto' could not check or promote" in manifest["warning"]
+
+
+def test_the_request_takes_precision_auto():
+    from pydantic import ValidationError
+
+    from contracts.jobspec import JobOptions
+
+    assert JobOptions(precision="auto").precision == "auto"
+    with pytest.raises(ValidationError, match="precision"):
+        JobOptions(precision="float64")

@@ -60,28 +60,34 @@ class Estimate:
 
 def run_guarded(executor: Executor, ctx: RunContext) -> dict[str, Any]:
     """``executor.run(ctx)`` and its error estimate (and, ``precision: "auto"``, its promotion): the manifest with
-    the precision fields, which are written to the stored manifest and the group's attributes too."""
+    the precision fields, which are written to the stored manifest and the group's attributes too. An estimate that
+    fails is recorded as such (never failing the job); a float64 computation that fails fails the job."""
     manifest = executor.run(ctx)
     try:
-        fields = _guard(ctx, manifest)
+        first, fields, ctx64 = _estimated(ctx, manifest)
     except Exception as err:  # noqa: BLE001 - the estimate never fails a job that computed its result
         from worker.engine.errors import Stopped
 
         if isinstance(err, Stopped):
             raise
         log.warning("job %s: no precision estimate: %s", ctx.job_id, err)
-        fields = {"manifest": manifest,
-                  **Estimate(None, 0, f"no estimate: {type(err).__name__}: {str(err)[:200]}").fields()}
-    manifest = fields.pop("manifest")
+        first, ctx64 = None, None
+        fields = Estimate(None, 0, f"no estimate: {type(err).__name__}: {str(err)[:200]}").fields()
+    if ctx.job.precision == "auto" and ctx64 is not None and first is not None and first.error is not None:
+        tol = tolerance(ctx)
+        fields.update(precision_tol=tol, precision_promoted=False)
+        if first.error > tol:
+            manifest, fields = _promoted(ctx, ctx64, first, tol)
     _record(ctx, manifest, fields)
     return {**manifest, **fields}
 
 
-def _guard(ctx: RunContext, manifest: dict[str, Any]) -> dict[str, Any]:
+def _estimated(ctx: RunContext, manifest: dict[str, Any]) -> tuple[Estimate | None, dict[str, Any], Any]:
+    """The first estimate, the result's fields, and the float64 context (None without a float64 model)."""
     from worker.engine.float64 import Float64Unavailable, is_float64
 
     if is_float64(ctx.load_model()):
-        return {"manifest": manifest, **Estimate(0.0, 0, "float64 model: its result is its own float64 probe").fields()}
+        return None, Estimate(0.0, 0, "float64 model: its result is its own float64 probe").fields(), None
     try:
         ctx64 = float64_context(ctx, manifest["dtype"])
     except Float64Unavailable as err:
@@ -89,26 +95,24 @@ def _guard(ctx: RunContext, manifest: dict[str, Any]) -> dict[str, Any]:
         if ctx.job.precision == "auto":
             fields["warning"] = _joined(manifest.get("warning"), f"precision 'auto' could not check or promote the "
                                         f"result: {err}")
-        return {"manifest": manifest, **fields}
+        return None, fields, None
     first = estimate(ctx, ctx64, manifest)
-    fields = first.fields()
-    if ctx.job.precision != "auto":
-        return {"manifest": manifest, **fields}
-    tol = tolerance(ctx)
-    fields.update(precision_tol=tol, precision_promoted=False)
-    if first.error is None or first.error <= tol:
-        return {"manifest": manifest, **fields}
-    log.info("job %s: precision estimate %.3g > tol %.3g: computing again in float64", ctx.job_id, first.error, tol)
+    return first, first.fields(), ctx64
+
+
+def _promoted(ctx: RunContext, ctx64: RunContext, first: Estimate, tol: float) -> tuple[dict[str, Any], dict]:
+    """The job computed again on the float64 model (the first result removed first): its manifest and fields."""
     from worker.execution import executor_for
     from worker.storage import remove_partial_result
 
+    log.info("job %s: precision estimate %.3g > tol %.3g: computing again in float64", ctx.job_id, first.error, tol)
     remove_partial_result(ctx.results_url, ctx.job_id)
     promoted = executor_for(ctx64.job).run(ctx64)
     after = estimate(ctx64, ctx64, promoted)
-    return {"manifest": promoted, **after.fields(), "precision_tol": tol, "precision_promoted": True,
-            "precision_error_before": first.error,
-            "precision_reason": f"the {first.method} estimate {first.error:.3g} exceeded tol {tol:.3g}: computed "
-                                f"again in float64, stored as {promoted['dtype']}"}
+    return promoted, {**after.fields(), "precision_tol": tol, "precision_promoted": True,
+                      "precision_error_before": first.error,
+                      "precision_reason": f"the {first.method} estimate {first.error:.3g} exceeded tol {tol:.3g}: "
+                                          f"computed again in float64, stored as {promoted['dtype']}"}
 
 
 def tolerance(ctx: RunContext) -> float:
