@@ -210,10 +210,14 @@ class JobOptions(BaseModel):
     sigma: float | None = Field(None, gt=0, allow_inf_nan=False, description="spectral_density: the width of the "
                                 "Gaussian that smooths the density (eigenvalue units; default "
                                 f"{estimators.SIGMA_FRACTION:g} x the range of the Ritz values)")
-    precision: Literal["highest", "tf32"] = Field(
+    precision: Literal["highest", "tf32", "auto"] = Field(
         "highest", description="'highest': full float32 matmuls and convolutions on the GPU (TensorFloat-32 off, "
         "results within the CPU's tolerances); 'tf32': TensorFloat-32 on Ampere and later GPUs, faster, inputs "
-        "rounded to 10 bits of mantissa (about 1e-3 relative). No effect on the CPU")
+        "rounded to 10 bits of mantissa (about 1e-3 relative; no effect on the CPU); 'auto': as 'highest', and when "
+        "the result's float64-probe error estimate (result.precision_error) exceeds tol (the kinds that take tol) or "
+        "the default of of's dtype (float32 1e-5, float16 1e-2, bfloat16 5e-2), the job is computed again on the "
+        "model converted to float64 and stored in the same dtype (result.precision_promoted). Every result records "
+        "the estimate; see README 'Precision'")
     sparsity: Sparsity | None = Field(
         None, description="kind 'jacobian' or 'hessian' with one input as wrt: compute J (or H) by colouring its "
         "sparsity pattern and store it as COO (arrays rows, cols, values; see README 'Sparse Jacobians'; a Hessian: "

@@ -70,6 +70,10 @@ class PlanInfo(BaseModel):
         "'verified', 'mode', and 'fallback' (why the result is dense) when the sparse path was not taken")
 
 
+PRECISION_FIELDS = ("precision_error", "precision_probes", "precision_method", "precision_tol", "precision_promoted",
+                    "precision_error_before", "precision_reason")   # the precision guard's, in manifest and result
+
+
 class ResultInfo(BaseModel):
     """Where a succeeded job's result lies: a Zarr array at ``uri`` of ``shape`` and ``dtype``. A sparse
     Jacobian (``format`` ``"coo"``) has ``shape`` ``[nnz]`` (its ``values``) and the matrix's ``dense_shape``
@@ -84,7 +88,18 @@ class ResultInfo(BaseModel):
     converged: bool | None = Field(None, description="svd, hessian_eig: whether every value met tol (false only "
                                    "when the request said allow_unconverged: true)")
     warning: str | None = Field(None, description="what is wrong with a result kept anyway (an unconverged "
-                                "spectrum: its largest residual against tol)")
+                                "spectrum: its largest residual against tol; precision 'auto' on a model that cannot "
+                                "run in float64)")
+    precision_error: float | None = Field(None, description="the result's relative error estimate from float64 "
+                                          "probes (README 'Precision': what it measures per kind); 0 for a float64 "
+                                          "model; absent when the model cannot run in float64 or the job had shards")
+    precision_probes: int | None = Field(None, description="the float64 products the estimate spent")
+    precision_method: str | None = Field(None, description="how the estimate was made, or why none was")
+    precision_tol: float | None = Field(None, description="precision 'auto': the tolerance the estimate was held to")
+    precision_promoted: bool | None = Field(None, description="precision 'auto': whether the job was computed again "
+                                            "in float64 (precision_error is then the promoted result's estimate)")
+    precision_error_before: float | None = Field(None, description="a promoted job: the first result's estimate")
+    precision_reason: str | None = Field(None, description="a promoted job: why it was promoted")
 
 
 class ErrorInfo(BaseModel):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.kinds import KINDS as REGISTERED
+from jacobian.cli_words import precision_words
 
 KINDS = tuple(REGISTERED)
 MODES = ("auto", "reverse", "forward")
@@ -144,7 +145,8 @@ def _wait(client: Any, job_id: str, args: argparse.Namespace, error_cls: type, f
     result = record.get("result") or {}
     unconverged = f"; NOT CONVERGED, kept by --allow-unconverged: {result.get('warning')}" \
         if result.get("converged") is False else ""
-    print(f"succeeded: {job_id} shape {result.get('shape')} {result.get('dtype')} at {result.get('uri')}{unconverged}",
+    print(f"succeeded: {job_id} shape {result.get('shape')} {result.get('dtype')} at {result.get('uri')}{unconverged}"
+          f"{precision_words(result)}",
           file=sys.stderr, flush=True)
     return 0
 
@@ -354,8 +356,9 @@ def register(sub: Any) -> None:
     p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
     p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")
     p.add_argument("--output-dtype", help="store the result as this float dtype")
-    p.add_argument("--precision", choices=("highest", "tf32"),
-                   help="GPU matmul precision (default highest: TensorFloat-32 off; tf32: faster, ~1e-3)")
+    p.add_argument("--precision", choices=("highest", "tf32", "auto"),
+                   help="default highest (TensorFloat-32 off on the GPU); tf32: faster, ~1e-3; auto: computed again "
+                   "in float64 when the float64-probe error estimate exceeds --tol or the dtype's default")
     p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on the memory of a chunk (bytes)")
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--job-timeout", type=int, metavar="S", help="the job's wall-clock limit (request field timeout_s; "

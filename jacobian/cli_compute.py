@@ -18,7 +18,7 @@ from typing import Any
 from contracts.kinds import KINDS as REGISTERED
 from jacobian.cli_matfree import add_arguments as add_matfree_arguments
 from jacobian.cli_sparse import add_arguments as add_sparse_arguments
-from jacobian.cli_words import as_flag, cli_spelling
+from jacobian.cli_words import as_flag, cli_spelling, precision_words
 
 _STARTED = time.perf_counter()
 KINDS = tuple(REGISTERED)
@@ -119,6 +119,7 @@ def done_line(manifest: dict[str, Any], since_start_s: float) -> str:
         rate = rows / max(plan.get("run_seconds") or 1e-9, 1e-9)
         lines.append(f"done: {rows} rows in {plan.get('run_seconds')} s ({rate:.1f} rows/s, strategy "
                      f"{plan.get('strategy')}, chunks of {plan.get('chunk_rows')}), {since_start_s:.1f} s since start")
+    lines[-1] += precision_words(manifest)
     return "\n".join(lines)
 
 
@@ -136,8 +137,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--reduce", choices=("sum",), help="Hessian of sum(of) for a non-scalar output")
     p.add_argument("--check-independence", action="store_true", help="batch_jacobian: verify examples are independent")
     p.add_argument("--output-dtype", help="store the result as this float dtype")
-    p.add_argument("--precision", choices=("highest", "tf32"), default="highest",
-                   help="GPU matmul precision: 'highest' (default; TensorFloat-32 off) or 'tf32' (faster, ~1e-3)")
+    p.add_argument("--precision", choices=("highest", "tf32", "auto"), default="highest",
+                   help="'highest' (default; TensorFloat-32 off on the GPU), 'tf32' (faster, ~1e-3) or 'auto' (as "
+                   "highest, and computed again in float64 when the float64-probe error estimate exceeds --tol or "
+                   "the default of the output's dtype; README 'Precision')")
     p.add_argument("--memory-budget", type=int, metavar="BYTES", help="cap on accelerator memory per chunk (bytes)")
     p.add_argument("--chunk-rows", type=int, metavar="N", help="force N rows per compute chunk")
     p.add_argument("--job-id", help="result folder name under --out (default: a new id)")

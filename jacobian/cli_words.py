@@ -42,3 +42,16 @@ def cli_spelling(err: Any) -> str:
         field = ".".join(str(p) for p in e.get("loc", ()) if not isinstance(p, int))
         parts.append(as_flag(message if ":" in message.split(" ")[0] or not field else f"{field}: {message}"))
     return "; ".join(parts)
+
+
+def precision_words(result: dict[str, Any]) -> str:
+    """The precision guard's fields of a manifest or a job's result as the tail of a ``done:``/``succeeded:`` line
+    (``; precision error ~3.1e-07 (3 float64 probes)``, promoted or not); "" when it has none."""
+    error, method = result.get("precision_error"), result.get("precision_method")
+    if error is None:
+        return f"; precision: {method}" if method else ""
+    words = f"; precision error ~{float(error):.2g} ({result.get('precision_probes', 0)} float64 probes)"
+    if result.get("precision_promoted"):
+        words += f", promoted to float64 (estimate was {float(result.get('precision_error_before') or 0):.2g} > tol " \
+                 f"{float(result.get('precision_tol') or 0):.2g})"
+    return words

@@ -172,7 +172,9 @@ class JacobianClient:
                idempotency_key: str | None = None, **options: Any) -> str:
         """Queue a job; returns its id. ``inputs`` go as an ``.npz`` body; ``options`` are the job
         options (``of``, ``wrt``, ``kind``, ``mode``, ``memory_budget_bytes``, ``reduce``,
-        ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``, ``precision``; the matrix-free
+        ``check_independence``, ``output_dtype``, ``chunk_rows``, ``shards``, ``precision`` (``"highest"``,
+        ``"tf32"`` or ``"auto"``: computed again in float64 when the result's float64-probe error estimate,
+        ``result["precision_error"]`` of ``status``, exceeds the tolerance; README 'Precision'); the matrix-free
         kinds' ``rank``, ``tol``, ``max_iterations``, ``allow_unconverged``, ``samples`` and ``seeds``, an array
         sent as the member ``__seeds__``; the curvature kinds' ``loss``, ``damping``, ``curvature``,
         ``precondition`` and ``labels``, the name of an entry of ``inputs`` that holds the labels (sent with the

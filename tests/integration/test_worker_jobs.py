@@ -105,8 +105,12 @@ def test_job_succeeds_with_progress_plan_manifest_and_exact_result(env, redis_co
     assert rec.progress.fraction == 1.0 and rec.progress.eta_seconds == 0.0
     assert rec.progress.rows_per_second > 0
     assert rec.plan.chunk_rows == 5 and rec.plan.strategy and rec.plan.mode == "reverse"
-    assert dump(rec.result) == {"uri": str(env / job_id / "result.zarr"), "shape": [3, 4, 3, 8], "dtype": "float32"}
+    result = dump(rec.result)
+    guard = {k: result.pop(k) for k in ("precision_error", "precision_probes", "precision_method")}
+    assert result == {"uri": str(env / job_id / "result.zarr"), "shape": [3, 4, 3, 8], "dtype": "float32"}
+    assert 0 <= guard["precision_error"] < 1e-5 and guard["precision_probes"] == 3   # the float64 probes' estimate
     manifest = json.loads((env / job_id / "manifest.json").read_text())
+    assert manifest["precision_error"] == guard["precision_error"]
     assert manifest["id"] == job_id and manifest["shape"] == [3, 4, 3, 8] and manifest["kind"] == "jacobian"
     assert manifest["of"] == "y" and manifest["wrt"] == "x" and manifest["plan"]["chunk_rows"] == 5
     assert manifest["model"]["path"] == str(model_root / "mlp")

@@ -38,6 +38,7 @@ class CompiledChunks:
         self._sizes: dict[Any, set[int]] = {}
         self.regret_s: dict[str, float] = {}   # per plan: time lost in this process by not compiling its best
         self.choices: dict[Any, dict[str, str]] = {}   # per matrix-free request: the route each product kind chose
+        self.float64: Any = None   # the model's float64 copy, or why it has none (``worker.engine.float64``)
         self._lock = threading.Lock()
 
     def sizes(self, key: Any) -> set[int]:

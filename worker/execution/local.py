@@ -57,7 +57,9 @@ def run_local(job: QueuedJob, *, inputs: dict[str, Any], seeds: Any = None,
                      on_plan=on_plan, probe=TFMemoryProbe(), plans=DiskPlanCache(settings.cache_dir),
                      cache_dir=str(settings.cache_dir) if settings.cache_dir else None, try_xla=settings.try_xla,
                      previous_result=previous)
-    return executor_for(job).run(ctx)
+    from worker.execution.precision import run_guarded
+
+    return run_guarded(executor_for(job), ctx)
 
 
 def local_context(model: Any, inputs: dict[str, Any], *, results_url: str, job_id: str = "local",

@@ -13,7 +13,7 @@ import redis
 from contracts.graph_scan import ModelRefused
 from contracts.jobspec import JobStatus, QueuedJob
 from contracts.jobstore import JobStore
-from contracts.records import ErrorInfo, ResultInfo, dump
+from contracts.records import PRECISION_FIELDS, ErrorInfo, ResultInfo, dump
 from contracts.savedmodel import SavedModelError
 from contracts.settings import Settings
 from worker.engine.errors import EngineError, Stopped
@@ -206,7 +206,8 @@ def result_of(manifest: dict[str, Any]) -> ResultInfo:
     """The job record's ``result`` from a manifest: ``uri``, ``shape``, ``dtype``; a sparse (COO) result adds
     ``format`` and its ``dense_shape``; a spectrum ``converged`` (and the ``warning`` of an unconverged one kept by
     ``allow_unconverged``). Only the keys that apply are set (a dense result's record has none of the others)."""
-    given = {name: manifest[name] for name in ("converged", "warning") if manifest.get(name) is not None}
+    given = {name: manifest[name] for name in ("converged", "warning", *PRECISION_FIELDS)
+             if manifest.get(name) is not None}
     if manifest.get("format") == "coo":
         given.update(format="coo", dense_shape=manifest["dense_shape"])
     return ResultInfo(uri=manifest["uri"], shape=manifest["shape"], dtype=manifest["dtype"], **given)

@@ -10,6 +10,7 @@ from contracts.jobspec import JobStatus
 from contracts.jobstore import JobNotFound, JobRecord, merge_shard_progress
 from contracts.records import ErrorInfo, PlanInfo, dump
 from worker.execution import executor_for
+from worker.execution.precision import run_guarded
 from worker.pipeline import at_least
 from worker.runs.attempt import result_of
 from worker.runs.computing import ComputingAttempt
@@ -70,7 +71,7 @@ class JobRun(ComputingAttempt):
         split = executor.split(ctx, self)
         if split is not None:
             return self._fan_out(split)
-        return self._succeed(executor.run(ctx))
+        return self._succeed(run_guarded(executor, ctx))
 
     def _succeed(self, manifest: dict[str, Any]) -> dict[str, Any]:
         job, store = self.job, self.store

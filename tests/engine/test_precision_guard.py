@@ -1,0 +1,191 @@
+"""The precision guard (issue 27): float64 copies of float32 models, error estimates from float64 probes against
+dense float64 references (GradientTape on the float64 copy), and ``precision: "auto"``'s promotion.
+
+The model ``tests.precision_models.cancelling`` loses ~4 digits to cancellation in every derivative w.r.t. its
+input; its derivatives w.r.t. the weights do not cancel (float32's usual ~1e-7)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from contracts import storage
+from tests import models, precision_models
+from tests.engine.conftest import rand
+
+X = rand((2, 6), seed=1)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from worker.engine import load_model
+
+    root = tmp_path_factory.mktemp("precision")
+    paths = {"cancelling": precision_models.cancelling(root / "cancelling"),
+             "float64": models.float64_model(root / "float64"),
+             "batch_norm": precision_models.batch_norm(root / "batch_norm"),
+             "training_norm": precision_models.batch_norm(root / "training_norm", training=True)}
+    return {name: load_model(str(path)) for name, path in paths.items()}
+
+
+def run(model, inputs, tmp_path, job_id="p", **options):
+    """A job through the executors and the guard, as ``jacobian compute`` runs it: its manifest and main array."""
+    from worker.engine import TFMemoryProbe
+    from worker.execution import executor_for
+    from worker.execution.local import local_context
+    from worker.execution.precision import run_guarded
+
+    ctx = local_context(model, inputs, results_url=str(tmp_path), job_id=job_id, probe=TFMemoryProbe(), **options)
+    manifest = run_guarded(executor_for(ctx.job), ctx)
+    group = storage.open_group(manifest["uri"], mode="r")
+    return manifest, np.asarray(group[manifest["array"]][...]), dict(group.attrs)
+
+
+def truth(model, of, wrt="x", x=X):
+    """The dense float64 reference: GradientTape's Jacobian (or Hessian) of the float64 copy."""
+    import tensorflow as tf
+
+    from worker.engine.float64 import float64_model
+
+    m64 = float64_model(model)
+    xt = tf.constant(x.astype(np.float64))
+    target = xt if wrt == "x" else m64.variables[wrt]
+    with tf.GradientTape(persistent=True) as outer:
+        outer.watch(xt)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            y = m64.fn(x=xt)[of]
+        if of != "loss":
+            return outer.jacobian(y, target).numpy() if wrt == "x" else tape.jacobian(y, target).numpy()
+        g = tape.gradient(y, xt)
+    return outer.jacobian(g, xt).numpy()
+
+
+def relative(got, want):
+    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
+
+
+def test_the_float64_copy_computes_the_same_function_in_float64(built):
+    import tensorflow as tf
+
+    from worker.engine.float64 import float64_model
+
+    model = built["cancelling"]
+    m64 = float64_model(model)
+    assert float64_model(model) is m64   # built once per loaded model
+    assert m64.output_specs["y"].dtype == tf.float64 and m64.variables["w1"].dtype == tf.float64
+    y32 = model.fn(x=tf.constant(X))["y"].numpy()
+    y64 = m64.fn(x=X.astype(np.float64))["y"].numpy()
+    assert y64.dtype == np.float64 and relative(y32, y64) < 1e-3
+    assert float64_model(built["float64"]) is built["float64"]   # a float64 model is its own copy
+
+
+def test_fused_batch_norm_runs_in_float64_as_plain_math_and_training_mode_says_why(built):
+    import tensorflow as tf
+
+    from worker.engine.float64 import Float64Unavailable, float64_model
+
+    model = built["batch_norm"]
+    image = rand((2, 6, 6, 2), seed=3)
+    y32 = model.fn(image=tf.constant(image))["y"].numpy()
+    y64 = float64_model(model).fn(image=image.astype(np.float64))["y"].numpy()
+    assert y64.dtype == np.float64 and relative(y32, y64) < 1e-5
+    with pytest.raises(Float64Unavailable, match="op FusedBatchNormV3 .*has no float64 kernel"):
+        float64_model(built["training_norm"])
+
+
+@pytest.mark.parametrize("kind,of", [("jacobian", "y"), ("hessian", "loss"), ("batch_jacobian", "y")])
+def test_a_dense_estimate_has_the_order_of_the_true_float32_error(built, tmp_path, kind, of):
+    manifest, stored, attrs = run(built["cancelling"], {"x": X}, tmp_path, kind=kind, of=of, wrt="x")
+    want = truth(built["cancelling"], of)
+    if kind == "batch_jacobian":   # (2, 6, 2, 6) -> the per-example blocks (2, 6, 6)
+        want = np.stack([want[b, :, b, :] for b in range(2)])
+    error = relative(stored, want)
+    assert error > 1e-5   # the model really loses digits in float32
+    estimate = manifest["precision_error"]
+    assert error / 10 < estimate < error * 10, (estimate, error)
+    assert manifest["precision_probes"] == 3 and "float64" in manifest["precision_method"]
+    assert attrs["precision_error"] == estimate   # in the result group's attributes too
+    on_disk = json.loads(storage.read_bytes(storage.join(storage.join(str(tmp_path), "p"), "manifest.json")))
+    assert on_disk["precision_error"] == estimate and "precision_promoted" not in on_disk
+
+
+def test_an_estimate_without_cancellation_is_float32_rounding(built, tmp_path):
+    manifest, stored, _ = run(built["cancelling"], {"x": X}, tmp_path, kind="jacobian", of="y", wrt="variables/w2")
+    assert manifest["precision_error"] < 1e-6
+    assert relative(stored, truth(built["cancelling"], "y", wrt="w2")) < 1e-6
+
+
+@pytest.mark.parametrize("kind,of", [("jvp", "y"), ("vjp", "y"), ("hvp", "loss")])
+def test_a_product_estimate_has_the_order_of_the_true_error(built, tmp_path, kind, of):
+    seeds = rand((4, 2, 6), seed=5)
+    manifest, stored, _ = run(built["cancelling"], {"x": X, "__seeds__": seeds}, tmp_path, kind=kind, of=of, wrt="x")
+    full = truth(built["cancelling"], of).reshape(12, 12)
+    flat = seeds.reshape(4, 12).astype(np.float64)
+    want = flat @ full if kind == "vjp" else flat @ full.T
+    error = max(relative(stored[i], want[i].reshape(stored[i].shape)) for i in range(4))
+    assert error > 1e-5 and error / 10 < manifest["precision_error"] < error * 10, (manifest["precision_error"], error)
+
+
+@pytest.mark.parametrize("kind,options", [("hessian_eig", {"rank": 2}), ("hessian_trace", {}),
+                                          ("hessian_diag", {})])
+def test_a_spectral_kind_estimates_the_error_of_the_product_it_applies(built, tmp_path, kind, options):
+    manifest, _, _ = run(built["cancelling"], {"x": X}, tmp_path, kind=kind, of="loss", wrt="x", **options)
+    assert 1e-5 < manifest["precision_error"] < 1e-2
+    assert "hvp products, working precision against float64" in manifest["precision_method"]
+
+
+def test_auto_promotes_and_the_result_is_the_float64_truth(built, tmp_path):
+    manifest, stored, attrs = run(built["cancelling"], {"x": X}, tmp_path, kind="jacobian", of="y", wrt="x",
+                                  precision="auto", output_dtype="float64")
+    want = truth(built["cancelling"], "y")
+    assert manifest["precision_promoted"] is True and attrs["precision_promoted"] is True
+    assert manifest["precision_error_before"] > manifest["precision_tol"] == 1e-5
+    assert "exceeded tol" in manifest["precision_reason"]
+    assert stored.dtype == np.float64 and relative(stored, want) < 1e-10
+    assert manifest["precision_error"] < 1e-10
+
+
+def test_auto_keeps_the_requested_dtype_and_a_result_within_tol(built, tmp_path):
+    seeds = rand((3, 2, 6), seed=6)
+    manifest, stored, _ = run(built["cancelling"], {"x": X, "__seeds__": seeds}, tmp_path, kind="hvp", of="loss",
+                              wrt="x", precision="auto")
+    assert manifest["precision_promoted"] is True and stored.dtype == np.float32
+    assert manifest["precision_error"] < 1e-6   # float32 rounding of the float64 products
+    kept, _, _ = run(built["cancelling"], {"x": X}, tmp_path, job_id="q", kind="jacobian", of="y",
+                     wrt="variables/w2", precision="auto")
+    assert kept["precision_promoted"] is False and kept["precision_error"] < kept["precision_tol"]
+
+
+def test_auto_takes_the_requests_tol_where_the_kind_has_one(built, tmp_path):
+    manifest, _, _ = run(built["cancelling"], {"x": X}, tmp_path, kind="hessian_eig", of="loss", wrt="x", rank=1,
+                         tol=0.2, precision="auto")
+    assert manifest["precision_tol"] == 0.2 and manifest["precision_promoted"] is False
+
+
+def test_a_float64_model_records_no_error_and_spends_no_probe(built, tmp_path):
+    x = rand((2, 5), "float64")
+    manifest, _, _ = run(built["float64"], {"x": x}, tmp_path, kind="jacobian", of="y", wrt="x", precision="auto")
+    assert manifest["precision_error"] == 0.0 and manifest["precision_probes"] == 0
+    assert not manifest.get("precision_promoted")
+
+
+def test_a_model_without_float64_kernels_succeeds_with_the_reason_and_auto_warns(built, tmp_path):
+    image = rand((2, 6, 6, 2), seed=3)
+    manifest, _, _ = run(built["training_norm"], {"image": image}, tmp_path, kind="jacobian", of="y", wrt="image",
+                         precision="auto")
+    assert manifest.get("precision_error") is None
+    assert "FusedBatchNormV3" in manifest["precision_method"]
+    assert "precision 'auto' could not check or promote" in manifest["warning"]
+
+
+def test_the_request_takes_precision_auto():
+    from pydantic import ValidationError
+
+    from contracts.jobspec import JobOptions
+
+    assert JobOptions(precision="auto").precision == "auto"
+    with pytest.raises(ValidationError, match="precision"):
+        JobOptions(precision="float64")

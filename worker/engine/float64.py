@@ -1,0 +1,246 @@
+"""A float64 copy of a loaded float32 (or float16, bfloat16) model, for the precision guard's probes.
+
+``float64_model(model)`` freezes the signature's concrete function (``convert_variables_to_constants_v2``), rewrites
+every float type in it (node attributes, constants, the function library's signatures) to ``DT_DOUBLE`` and imports
+it as a new function whose inputs are the signature's inputs and the model's float variables, all float64. The
+result is a ``LoadedModel`` of the same inputs, outputs and variable names (float64 ``tf.Variable`` copies of the
+values), so the matrix-free ``Operator`` computes its products in float64 exactly as it computes them in float32.
+
+Ops that have no float64 kernel cannot run: ``FusedBatchNorm*`` in inference (``is_training`` false) is rewritten to
+plain math (``(x - mean) * rsqrt(var + epsilon) * scale + offset``); any other op whose float64 run fails makes
+``Float64Unavailable`` say which (``"float64 probe unavailable: op X has no float64 kernel"``). A float64 model is
+its own float64 copy. The copy is built once per loaded model (``model.compiled.float64``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from worker.engine.model import LoadedModel
+
+FLOAT_TYPES = ("DT_FLOAT", "DT_HALF", "DT_BFLOAT16")
+_BATCH_NORMS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+
+
+class Float64Unavailable(Exception):
+    """The model cannot be evaluated in float64; the message says why (the op without a float64 kernel)."""
+
+
+def is_float64(model: LoadedModel) -> bool:
+    """Every float input, output and variable of ``model`` is float64 already (nothing to promote)."""
+    dtypes = [s.dtype for s in [*model.input_specs.values(), *model.output_specs.values()]]
+    dtypes += [v.dtype for v in model.variables.values()]
+    return all(not d.is_floating or d.name == "float64" for d in dtypes)
+
+
+def float64_model(model: LoadedModel) -> LoadedModel:
+    """``model`` evaluated in float64 (itself when it is float64 already); raises ``Float64Unavailable``.
+    Built once per loaded model; a failure is remembered too."""
+    if is_float64(model):
+        return model
+    if model.compiled.float64 is None:
+        model.compiled.float64 = _built(model)
+    found = model.compiled.float64
+    if isinstance(found, Float64Unavailable):
+        raise found
+    return found
+
+
+def _built(model: LoadedModel) -> LoadedModel | Float64Unavailable:
+    try:
+        return _convert(model)
+    except Float64Unavailable as err:
+        return err
+    except Exception as err:  # noqa: BLE001 - any failure to convert is a reason, never a failed job
+        return Float64Unavailable(f"float64 probe unavailable: the model could not be converted to float64 "
+                                  f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})")
+
+
+def _convert(model: LoadedModel) -> LoadedModel:
+    import tensorflow as tf
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2_as_graph
+
+    fn = model.fn
+    # the captured variable handles of the signature's graph: which placeholder reads which variable
+    by_handle = {id(v.handle): name for name, v in model.variables.items() if v.dtype.is_floating}
+    captured = {internal.op.name: by_handle[id(external)] for external, internal in fn.graph.captures
+                if id(external) in by_handle}
+    frozen, graph_def = convert_variables_to_constants_v2_as_graph(fn, lower_control_flow=False)
+    _rewrite(graph_def)
+    input_names = sorted(model.input_specs)
+    arg_names = [t.op.name for t in frozen.inputs]
+    flat_inputs = tf.nest.flatten(frozen.structured_input_signature)
+    specs = {n: model.input_specs[n] for n in input_names}
+    order = [s.name if getattr(s, "name", None) in specs else None for s in flat_inputs]
+    if len(arg_names) != len(input_names) or None in order:
+        order = input_names   # the dict's flattening: sorted keys
+    output_tensors = {name: t.name for name, t in zip(sorted(fn.structured_outputs), frozen.outputs)}
+    variables = {name: tf.Variable(tf.cast(v, tf.float64) if v.dtype.is_floating else v, trainable=v.trainable,
+                                   name=name.replace("/", "_").replace(":", "_").replace("@", "_"))
+                 for name, v in model.variables.items() if name in captured.values()}
+    var_order = [name for name in model.variables if name in variables]
+    const_of = {name: node for node, name in captured.items()}
+
+    def imported(*args: Any) -> Any:
+        feeds = {f"{arg}:0": a for arg, a in zip(arg_names, args[:len(arg_names)])}
+        feeds.update({f"{const_of[n]}:0": a for n, a in zip(var_order, args[len(arg_names):])})
+        names = sorted(output_tensors)
+        got = tf.graph_util.import_graph_def(graph_def, input_map=feeds,
+                                             return_elements=[output_tensors[n] for n in names], name="")
+        return dict(zip(names, got))
+
+    def spec64(s: Any) -> Any:
+        return tf.TensorSpec(s.shape, tf.float64 if s.dtype.is_floating else s.dtype, getattr(s, "name", None))
+
+    arg_specs = [spec64(specs[n]) for n in order]
+    var_specs = [tf.TensorSpec(variables[n].shape, variables[n].dtype) for n in var_order]
+    wrapped = tf.compat.v1.wrap_function(imported, arg_specs + var_specs)
+
+    def call(**inputs: Any) -> dict[str, Any]:
+        args = [tf.convert_to_tensor(inputs[n], tf.float64 if specs[n].dtype.is_floating else specs[n].dtype)
+                for n in order]
+        return wrapped(*args, *[variables[n] for n in var_order])
+
+    input_specs = {n: spec64(s) for n, s in model.input_specs.items()}
+    output_specs = {n: tf.TensorSpec(s.shape, tf.float64 if s.dtype.is_floating else s.dtype, n)
+                    for n, s in model.output_specs.items()}
+    converted = LoadedModel(path=model.path, signature=model.signature, loaded=(model.loaded, wrapped), fn=call,
+                            input_specs=input_specs, output_specs=output_specs,
+                            variables={**{n: v for n, v in model.variables.items() if n not in variables}, **variables},
+                            fingerprint=f"{model.fingerprint}-float64" if model.fingerprint else "",
+                            graph_ops=model.graph_ops)
+    return _checked(converted)
+
+
+def _checked(model: LoadedModel) -> LoadedModel:
+    """One forward pass on zeros (free dims 1) that must run: a missing float64 kernel is named here."""
+    import tensorflow as tf
+
+    zeros = {n: tf.zeros([1 if d is None else d for d in s.shape.as_list()], s.dtype)
+             for n, s in model.input_specs.items()}
+    try:
+        model.fn(**zeros)
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as err:
+        raise Float64Unavailable(_why(str(err))) from None
+    return model
+
+
+def _why(message: str) -> str:
+    """A failed float64 run's reason in one line, naming the op when TensorFlow does."""
+    op = re.search(r"(?:OpKernel|kernel)[^']*'([A-Za-z0-9_]+)'", message) or re.search(r"op[: ]+'?([A-Z][A-Za-z0-9_]+)",
+                                                                                        message)
+    if op:
+        return f"float64 probe unavailable: op {op.group(1)} has no float64 kernel"
+    return f"float64 probe unavailable: {message.strip().splitlines()[0][:200]}"
+
+
+# -- the GraphDef rewrite ---------------------------------------------------------------------------------
+
+
+def _rewrite(graph_def: Any) -> None:
+    """Every float type of ``graph_def`` (and of its function library) to DT_DOUBLE, batch norms to plain math."""
+    renamed = {f.signature.name: f"{f.signature.name}_float64" for f in graph_def.library.function}
+    _rewrite_nodes(graph_def.node, lambda: graph_def.node.add(), graph_def, renamed)
+    for function in graph_def.library.function:
+        function.signature.name = renamed[function.signature.name]
+        for arg in [*function.signature.input_arg, *function.signature.output_arg]:
+            if arg.type and _name(arg.type) in FLOAT_TYPES:
+                arg.type = _double()
+        _rewrite_nodes(function.node_def, lambda f=function: f.node_def.add(), None, renamed)
+    for gradient in graph_def.library.gradient:
+        gradient.function_name = renamed.get(gradient.function_name, gradient.function_name)
+
+
+def _name(dtype: int) -> str:
+    from tensorflow.core.framework import types_pb2
+
+    return types_pb2.DataType.Name(dtype)
+
+
+def _double() -> int:
+    from tensorflow.core.framework import types_pb2
+
+    return types_pb2.DT_DOUBLE
+
+
+def _rewrite_nodes(nodes: Any, add: Any, graph_def: Any, renamed: dict[str, str]) -> None:
+    """Float types to DT_DOUBLE in ``nodes``, the library's functions called by their new names (a function of the
+    original's name is registered already, with float32 types)."""
+    for node in list(nodes):
+        node.op = renamed.get(node.op, node.op)
+        for key in node.attr:
+            value = node.attr[key]
+            if value.HasField("func"):
+                value.func.name = renamed.get(value.func.name, value.func.name)
+            elif value.HasField("list") and value.list.func:
+                for f in value.list.func:
+                    f.name = renamed.get(f.name, f.name)
+            if value.HasField("type") and _name(value.type) in FLOAT_TYPES:
+                value.type = _double()
+            elif value.HasField("list") and value.list.type:
+                value.list.type[:] = [_double() if _name(t) in FLOAT_TYPES else t for t in value.list.type]
+            elif value.HasField("tensor") and _name(value.tensor.dtype) in FLOAT_TYPES:
+                value.tensor.CopyFrom(_double_tensor(value.tensor))
+        if node.op in _BATCH_NORMS:
+            _plain_batch_norm(node, add, in_function=graph_def is None)
+
+
+def _double_tensor(proto: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.make_tensor_proto(tf.make_ndarray(proto).astype("float64"))
+
+
+def _plain_batch_norm(node: Any, add: Any, *, in_function: bool) -> None:
+    """A ``FusedBatchNorm*`` in inference as plain ops of the same name's first output: ``(x - mean) *
+    rsqrt(var + epsilon) * scale + offset`` (channels last or first). Training mode has no float64 kernel."""
+    if node.attr["is_training"].b:
+        raise Float64Unavailable(f"float64 probe unavailable: op {node.op} (is_training) has no float64 kernel")
+    if in_function:
+        raise Float64Unavailable(f"float64 probe unavailable: op {node.op} inside a function has no float64 kernel")
+    x, scale, offset, mean, var = list(node.input)[:5]
+    eps = node.attr["epsilon"].f
+    channels_first = node.attr["data_format"].s.decode() in ("NCHW", "NCDHW")
+    name = node.name
+    double = _double()
+
+    def new(op: str, suffix: str, inputs: list[str], **attrs: Any) -> str:
+        n = add()
+        n.op, n.name = op, f"{name}/f64_{suffix}"
+        n.input.extend(inputs)
+        n.attr["T"].type = double
+        for k, v in attrs.items():
+            n.attr[k].CopyFrom(v)
+        return n.name
+
+    def const(suffix: str, value: Any) -> str:
+        import tensorflow as tf
+        from tensorflow.core.framework import attr_value_pb2
+
+        n = add()
+        n.op, n.name = "Const", f"{name}/f64_{suffix}"
+        n.attr["dtype"].type = value.dtype == "int32" and 3 or double
+        n.attr["value"].CopyFrom(attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(value)))
+        return n.name
+
+    import numpy as np
+
+    inv = new("Rsqrt", "rsqrt", [new("AddV2", "var_eps", [var, const("eps", np.float64(eps))])])
+    mult = new("Mul", "mult", [inv, scale])
+    shift = new("Sub", "shift", [offset, new("Mul", "mean_mult", [mean, mult])])
+    if channels_first:
+        from tensorflow.core.framework import attr_value_pb2
+
+        shape = const("shape", np.array([-1, 1, 1], np.int32))
+        tshape = attr_value_pb2.AttrValue(type=3)
+        mult = new("Reshape", "mult_c", [mult, shape], Tshape=tshape)
+        shift = new("Reshape", "shift_c", [shift, shape], Tshape=tshape)
+    scaled = new("Mul", "scaled", [x, mult])
+    node.op = "AddV2"
+    del node.input[:]
+    node.input.extend([scaled, shift])
+    for key in list(node.attr):
+        if key != "T":
+            del node.attr[key]
+    node.attr["T"].type = double
