@@ -146,8 +146,12 @@ class _Pair:
 
 def _close(s: socket.socket, *, reset: bool = False) -> None:
     try:
-        if reset:
+        if reset:  # RST, not FIN, once the last reference goes; SHUT_RD wakes a thread blocked in recv() on it
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
+    try:
         s.close()
     except OSError:
         pass

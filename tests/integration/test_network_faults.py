@@ -284,7 +284,7 @@ def run_slow_storage_job(cluster: Cluster, ns: netns.Namespace, bucket: str, end
     peak_kib = rss_before_kib
     while not cluster.store().get(job_id).status.is_terminal:
         peak_kib = max(peak_kib, vm_kib(worker.pid, "VmRSS"))
-        assert time.monotonic() - started < 400, f"{what}: job not done after 400 s\n{cluster.log_tail()}"
+        assert time.monotonic() - started < 300, f"{what}: job not done after 300 s\n{cluster.log_tail()}"
         time.sleep(0.2)
     rec = cluster.store().get(job_id)
     seconds = time.monotonic() - started
