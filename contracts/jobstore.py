@@ -89,9 +89,10 @@ if ttl > 0 then
 end
 return 1
 """
-# KEYS: the job hash. ARGV: field, value pairs. Returns 0 (no record: nothing written) or 1.
+# KEYS: the job hash. ARGV: field, value pairs. Returns 0 (no record, or the job ended: nothing written) or 1.
 _SET_FIELDS_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local ended = {succeeded = true, failed = true, canceled = true}
+if redis.call('EXISTS', KEYS[1]) == 0 or ended[redis.call('HGET', KEYS[1], 'status')] then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
@@ -209,8 +210,8 @@ class JobStore:
                    cancel_requested: bool | None = None) -> bool:
         """Set the fields given (None: leave as is) of an existing record, never its status (see
         ``transition``): one ``HSET`` of those fields, the rest of the record is not rewritten. Returns False,
-        writing nothing, when there is no record (e.g. it expired), so that a late progress report cannot
-        leave a record without TTL behind. Raises ``TypeError`` (a record that is not its model),
+        writing nothing, when there is no record (it expired) or the job ended (a late report of a worker cut off
+        from Redis while another finished the job changes nothing). Raises ``TypeError`` (a record not its model),
         ``redis.RedisError``.
         """
         given = {"progress": progress, "plan": plan, "cancel_requested": cancel_requested}

@@ -90,12 +90,33 @@ def _expand(options: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
     return opts
 
 
+S3_RETRY_HOOKS: list[Any] = []  # called with no argument per failed S3 request attempt (the worker's metrics)
+
+
+def _on_needs_retry(response: Any = None, caught_exception: Any = None, **_: Any) -> None:
+    """botocore's ``needs-retry`` event: an attempt that failed (connection error, timeout, 5xx, 429) is
+    counted through ``S3_RETRY_HOOKS``; botocore and s3fs then try it again (their own backoff)."""
+    status = getattr(response[0], "status_code", 0) if response else 0
+    if caught_exception is not None or status >= 500 or status == 429:
+        for hook in list(S3_RETRY_HOOKS):
+            hook()
+
+
+def _session() -> Any:
+    """An aiobotocore session whose clients report failed attempts (``_on_needs_retry``)."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register("needs-retry.s3", _on_needs_retry)
+    return session
+
+
 @lru_cache(maxsize=8)
 def _s3_fs(options: tuple[tuple[str, Any], ...]) -> Any:
     """A synchronous s3fs filesystem for these options (cached)."""
     import s3fs
 
-    return s3fs.S3FileSystem(**_expand(options))
+    return s3fs.S3FileSystem(session=_session(), **_expand(options))
 
 
 @lru_cache(maxsize=8)
@@ -103,7 +124,7 @@ def _s3_async_fs(options: tuple[tuple[str, Any], ...]) -> Any:
     """An asynchronous s3fs filesystem for zarr's event loop (cached)."""
     import s3fs
 
-    return s3fs.S3FileSystem(asynchronous=True, **_expand(options))
+    return s3fs.S3FileSystem(asynchronous=True, session=_session(), **_expand(options))
 
 
 @runtime_checkable

@@ -102,6 +102,13 @@ case "$WITH_CHROMIUM" in
   *) die "JACOBIAN_SETUP_CHROMIUM must be 0 or 1, got '$WITH_CHROMIUM'" ;;
 esac
 
+# iptables for the network-fault tests (scripts/test.sh sets JACOBIAN_SETUP_IPTABLES=1); without it they
+# partition by taking a veth end down instead.
+if [[ "${JACOBIAN_SETUP_IPTABLES:-0}" == 1 ]] && ! command -v iptables >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1; then
+  apt_install iptables || log "iptables could not be installed: the network-fault tests take a veth end down instead"
+fi
+
 # --- virtual environment and project install (uv, from uv.lock) ---------------------------------
 # A Python 3.11 to 3.13 (what requires-python and the lock cover); 3.11 first, the version the tests run on.
 python_ok() { "$1" -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] < (3, 14) else 1)' 2>/dev/null; }

@@ -4,7 +4,12 @@
 #   bash scripts/test.sh                      # all of tests/
 #   bash scripts/test.sh -k signature -x      # options go to pytest, still over all of tests/
 #   bash scripts/test.sh tests/unit           # paths given replace the default tests/
+#   bash scripts/test.sh --faults             # only the network-fault tests (marker 'faults': network
+#                                             # namespaces, root); the runs above leave them out
 #
+# The network-fault tests (tests/integration/test_network_faults.py, a few minutes) need root and network
+# namespaces; where the kernel or permissions forbid them they skip with the reason, and this script
+# prints a WARNING line saying so. .ci/run runs both: the suite, then --faults.
 # First `uv lock --check`: a uv.lock out of date with pyproject.toml fails the run (and CI, which runs this).
 # pytest's exit code is passed through, except 5 (no tests collected), which fails: a run that
 # collected nothing must not look green. JACOBIAN_SKIP_SETUP=1 skips the lock check and scripts/setup.sh.
@@ -26,11 +31,24 @@ else
     exit 1
   }
   JACOBIAN_SETUP_PROMETHEUS="${JACOBIAN_SETUP_PROMETHEUS:-1}" \
-    JACOBIAN_SETUP_CHROMIUM="${JACOBIAN_SETUP_CHROMIUM:-1}" bash scripts/setup.sh
+    JACOBIAN_SETUP_CHROMIUM="${JACOBIAN_SETUP_CHROMIUM:-1}" \
+    JACOBIAN_SETUP_IPTABLES="${JACOBIAN_SETUP_IPTABLES:-1}" bash scripts/setup.sh
 fi
 
 PY="$ROOT/.venv/bin/python"
 [[ -x "$PY" ]] || { echo "[test] ERROR: $PY missing: run bash scripts/setup.sh" >&2; exit 1; }
+
+# --faults: the network-fault tests alone; otherwise they are left out (-m "not faults") unless -m is given.
+marker=(-m "not faults")
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --faults) marker=(-m faults) ;;
+    -m|-m*) marker=(); args+=("$arg") ;;
+    *) args+=("$arg") ;;
+  esac
+done
+set -- "${args[@]+"${args[@]}"}"
 
 # Run all of tests/ unless a path (or node id) is among the arguments.
 targets=(tests)
@@ -44,11 +62,14 @@ done
 log="$(mktemp "${TMPDIR:-/tmp}/jacobian-pytest.XXXXXX")"
 trap 'rm -f "$log"' EXIT
 
-echo "[test] $PY -m pytest ${targets[*]:+${targets[*]} }-q -p no:cacheprovider -ra $*"
+echo "[test] $PY -m pytest ${targets[*]:+${targets[*]} }-q -p no:cacheprovider -ra ${marker[*]:+${marker[*]} }$*"
 set +e
-"$PY" -m pytest "${targets[@]}" -q -p no:cacheprovider -ra "$@" 2>&1 | tee "$log"
+"$PY" -m pytest "${targets[@]}" -q -p no:cacheprovider -ra "${marker[@]}" "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
+if grep -q "network namespaces unavailable\|tc netem unavailable" "$log"; then
+  grep -o "\(network namespaces\|tc netem\) unavailable: .*" "$log" | sort -u | sed 's/^/[test] WARNING: skipped: /' >&2
+fi
 
 # One closing line in the plain 'N passed, N failed, N skipped' form (errors count as failed).
 counts="$("$PY" - "$log" <<'PY'

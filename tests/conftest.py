@@ -34,15 +34,17 @@ def wait_port(port: int, timeout_s: float = 20.0) -> None:
 
 
 class RedisServer:
-    """A private redis-server; ``restart()`` keeps its append-only file."""
+    """A private redis-server; ``restart()`` keeps its append-only file. ``bind``: its addresses (space-separated;
+    ``url`` is always the 127.0.0.1 one)."""
 
-    def __init__(self, workdir: Path, *, appendonly: bool = True) -> None:
+    def __init__(self, workdir: Path, *, appendonly: bool = True, bind: str = "127.0.0.1") -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is not installed: run scripts/setup.sh (apt-get install redis-server)")
         self.exe = exe
         self.workdir = workdir
         self.appendonly = appendonly
+        self.bind = bind.split()
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -52,7 +54,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        args = [self.exe, "--port", str(self.port), "--bind", *self.bind, "--save", "",
+                "--protected-mode", "yes" if self.bind == ["127.0.0.1"] else "no",
                 "--dir", str(self.workdir), "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", "always"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

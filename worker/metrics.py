@@ -23,6 +23,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from contracts import storage
 from contracts.kinds import KINDS as KIND_SPECS
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,14 @@ MODEL_DOWNLOADS = Counter("jacobian_model_downloads", "Models under S3 model roo
                           "(cached).", ["result"], registry=REGISTRY)
 MODEL_DOWNLOAD_BYTES = Counter("jacobian_model_download_bytes", "Bytes of models downloaded from S3 model roots.",
                                registry=REGISTRY)
+STORAGE_RETRIES = Counter("jacobian_storage_retries", "Storage operations that failed and were tried again, by "
+                          "source: s3_request, an S3 request attempt that failed (connection reset or error, "
+                          "timeout, 5xx or 429; the S3 client tries it again); block_write, a result block whose "
+                          "write failed after those and that the result writer writes again.", ["source"],
+                          registry=REGISTRY)
+for _source in ("s3_request", "block_write"):
+    STORAGE_RETRIES.labels(_source)
+storage.S3_RETRY_HOOKS.append(STORAGE_RETRIES.labels("s3_request").inc)
 
 for _result in ("downloaded", "cached"):
     MODEL_DOWNLOADS.labels(_result)

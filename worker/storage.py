@@ -11,6 +11,7 @@ reader needs only zarr, xarray (``xarray.open_zarr``) or dask (``dask.array.from
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import queue
@@ -23,7 +24,7 @@ import numpy as np
 
 from contracts import storage
 from contracts.layout import COMMITTED_DIR, JACOBIAN_ARRAY, MANIFEST, RESULT_GROUP, Block, ResultLayout, job_url
-from worker import result_group
+from worker import metrics, result_group
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +258,8 @@ class ResultWriter:
             self._thread.join()
         self._raise_if_failed()
         if self._buffer_block is not None:
-            raise ValueError(f"rows: block {self._buffer_block.index} got {self._filled} of "
-                             f"{self._buffer_block.rows} rows")
+            block = self._buffer_block
+            raise ValueError(f"rows: block {block.index} got {self._filled} of {block.rows} rows")
 
     def abort(self) -> None:
         """Stop the writer thread, dropping queued blocks; never raises."""
@@ -269,10 +270,8 @@ class ResultWriter:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        try:
+        with contextlib.suppress(queue.Full):
             self._queue.put_nowait(_STOP)
-        except queue.Full:
-            pass
         self._thread.join(timeout=30)
 
     def __enter__(self) -> ResultWriter:
@@ -411,6 +410,7 @@ class ResultWriter:
                 delay_s = self.retry.first_delay_s * 2 ** attempt
                 log.warning("job %s: block %d write failed (%s: %s); retry in %.1fs", self.job_id,
                             block.index, type(err).__name__, err, delay_s)
+                metrics.STORAGE_RETRIES.labels("block_write").inc()
                 time.sleep(delay_s)
         with self._lock:
             self._committed.add(block.index)

@@ -66,7 +66,7 @@ class JobRun(ComputingAttempt):
 
         ctx = self.run_context(created_at=record.created_at, on_plan=on_plan,
                                on_progress=lambda p: store.set_fields(job.id, progress=at_least(p, reported)),
-                               should_stop=lambda: store.is_cancel_requested(job.id))
+                               should_stop=lambda: store.should_stop(job.id))  # cancel, or ended elsewhere
         executor = executor_for(job)
         split = executor.split(ctx, self)
         if split is not None:
@@ -120,6 +120,11 @@ class JobRun(ComputingAttempt):
     # -- outcomes ---------------------------------------------------------------------------------
 
     def on_stopped(self) -> dict[str, Any]:
+        """Cancel requested: cancel. Else the job ended elsewhere (another worker took it over while this one was
+        cut off from Redis, then finished it): keep that end and its result."""
+        record = self.store.get(self.job.id)
+        if record.status.is_terminal and not record.cancel_requested:
+            return self._ended_meanwhile()
         return self.cancel_job()
 
     def on_failed(self, error: ErrorInfo, *, delete: bool) -> dict[str, Any]:
