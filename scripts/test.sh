@@ -5,11 +5,12 @@
 #   bash scripts/test.sh -k signature -x      # options go to pytest, still over all of tests/
 #   bash scripts/test.sh tests/unit           # paths given replace the default tests/
 #   bash scripts/test.sh --faults             # only the network-fault tests (marker 'faults': network
-#                                             # namespaces, root); the runs above leave them out
+#                                             # namespaces, root)
+#   bash scripts/test.sh --no-faults          # everything but them (a quicker local run; CI runs them)
 #
-# The network-fault tests (tests/integration/test_network_faults.py, a few minutes) need root and network
+# The network-fault tests (tests/integration/test_network_faults.py, about 7 minutes) need root and network
 # namespaces; where the kernel or permissions forbid them they skip with the reason, and this script
-# prints a WARNING line saying so. .ci/run runs both: the suite, then --faults.
+# prints a WARNING line saying so. The plain command (.ci/run's) runs them with the rest.
 # First `uv lock --check`: a uv.lock out of date with pyproject.toml fails the run (and CI, which runs this).
 # pytest's exit code is passed through, except 5 (no tests collected), which fails: a run that
 # collected nothing must not look green. JACOBIAN_SKIP_SETUP=1 skips the lock check and scripts/setup.sh.
@@ -38,12 +39,13 @@ fi
 PY="$ROOT/.venv/bin/python"
 [[ -x "$PY" ]] || { echo "[test] ERROR: $PY missing: run bash scripts/setup.sh" >&2; exit 1; }
 
-# --faults: the network-fault tests alone; otherwise they are left out (-m "not faults") unless -m is given.
-marker=(-m "not faults")
+# --faults: the network-fault tests alone; --no-faults: all but them; otherwise everything (unless -m is given).
+marker=()
 args=()
 for arg in "$@"; do
   case "$arg" in
     --faults) marker=(-m faults) ;;
+    --no-faults) marker=(-m "not faults") ;;
     -m|-m*) marker=(); args+=("$arg") ;;
     *) args+=("$arg") ;;
   esac

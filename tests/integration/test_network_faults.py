@@ -9,7 +9,7 @@ proxy because this machine's kernel has no ``sch_netem``; the ``tc netem delay 5
 runs where it exists and skips loudly here. Every finished job is compared bitwise with an undisturbed run.
 
 Needs root (CAP_NET_ADMIN) and ``ip``; skips loudly, with the reason, where the kernel or permissions
-forbid (``bash scripts/test.sh --faults`` then prints a warning). Figures are printed (``-s``).
+forbid (``bash scripts/test.sh``, which runs them, then prints a warning). Figures are printed (``-s``).
 """
 
 from __future__ import annotations
