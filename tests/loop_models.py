@@ -95,3 +95,26 @@ def oscillators(path: Path, *, n: int = 6, steps: int = 10, dt: float = 0.1, rea
     m = Oscillators()
     tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
     return path
+
+
+def resize(path: Path, *, side: int = 3, out: int = 4) -> Path:
+    """A ``tf.Module`` where forward mode and second derivatives fail without a loop, reverse mode works: bilinear
+    resizing (TensorFlow 2.21 registers no gradient for ``ResizeBilinearGrad``), then ``tanh`` of a Dense layer:
+    ``x`` (None, side, side, 1) float32 -> ``y`` (None, out)."""
+    import tensorflow as tf
+
+    w0 = np.random.default_rng(5).standard_normal((4 * side * side, out)).astype("float32") / side
+
+    class Resize(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = tf.Variable(w0, name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, side, side, 1], tf.float32, name="x")])
+        def __call__(self, x):
+            up = tf.image.resize(x, [2 * side, 2 * side], method="bilinear")
+            return {"y": tf.tanh(tf.matmul(tf.reshape(up, [-1, 4 * side * side]), self.w))}
+
+    m = Resize()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path

@@ -30,7 +30,7 @@ def fail_all(problem: Problem, failures: dict[str, str]) -> NotDifferentiable:
     return NotDifferentiable(f"wrt: TensorFlow cannot differentiate {problem.of!r} with respect to "
                              f"{problem.wrt!r} in this SavedModel ({detail}); every strategy failed, the "
                              f"per-row eager loop included. Re-export the model so that its graph is "
-                             f"differentiable (e.g. pass variables into loops as loop variables)", field="wrt")
+                             f"differentiable (for a Hessian: every op's gradient differentiable again)", field="wrt")
 
 
 def is_unseen(plan: Plan, label: str) -> bool:
