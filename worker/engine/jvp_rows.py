@@ -94,8 +94,7 @@ def refusal(op: Operator, kind: str) -> NotDifferentiable:
         fix = ("reverse mode fails too; re-export the model with differentiable ops (the failing op is named "
                "above) or choose a wrt that of depends on differentiably")
     else:
-        fix = ("second derivatives fail here; re-export the model so that every loop takes the variables it reads as "
-               "loop variables (a Keras RNN: unroll=True), or ask for a kind of first derivatives (jvp, vjp, "
-               "jacobian)")
+        fix = ("second derivatives fail here (the failing op is named above); re-export the model with ops whose "
+               "gradients are differentiable, or ask for a kind of first derivatives (jvp, vjp, jacobian)")
     return NotDifferentiable(f"wrt: {head}. {fix[0].upper()}{fix[1:]}", field="wrt")
 

@@ -18,7 +18,7 @@ from contracts.keras_file import (
     under,
 )
 from worker.engine.errors import InvalidRequest, NotDifferentiable
-from worker.engine.model import LoadedModel, graph_ops, model_fingerprint, named_variables
+from worker.engine.model import LoadedModel, graph_counts, model_fingerprint, named_variables
 
 FIELD = "model.path"
 
@@ -125,4 +125,4 @@ def load_keras_model(path: str, signature: str = SIGNATURE, *, origin: str | Non
     output_specs = {name: tf.TensorSpec(t.shape, t.dtype, name) for name, t in fn.structured_outputs.items()}
     return LoadedModel(path=path, signature=signature, loaded=model, fn=fn, input_specs=specs,
                        output_specs=output_specs, variables=named_variables(model, fn.variables),
-                       fingerprint=model_fingerprint(path), graph_ops=graph_ops(fn))
+                       fingerprint=model_fingerprint(path), **graph_counts(fn))

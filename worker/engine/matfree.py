@@ -46,15 +46,14 @@ import numpy as np
 from contracts import rules
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
 from contracts.kinds import kind_spec
-from worker.engine import jvp_rows, matfree_rules, pfor_patches, tf_logs, trace_cache
+from worker.engine import jvp_rows, matfree_rules, pfor_patches, product_labels, tf_logs, trace_cache
 from worker.engine.chunk_run import Adjoint, agrees
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, Stopped
 from worker.engine.matfree_result import MatFreeResult
 from worker.engine.memory import is_out_of_memory
 from worker.engine.model import LoadedModel
 from worker.engine.problem import convert_inputs, described, error_summary, probe_shape, ruled
-from worker.engine.products import body, tiled_ok, tiled_route
-from worker.engine.tuning import SMALL_GRAPH_OPS
+from worker.engine.products import body
 from worker.engine.wrt_axis import WrtAxis, wrt_axis
 
 FIRST_SEEDS = 8          # the first call of a kind whose seeds per call are planned from memory: its peak measured
@@ -234,24 +233,8 @@ class Operator:
     # -- choosing how -------------------------------------------------------------------------
 
     def candidates(self, kind: str) -> list[str]:
-        """The labels a kind's first call tries, in order (see the module docstring)."""
-        asked, routes = self.routes.get(kind, "auto"), kind_spec(kind).routes
-        if asked not in ("auto", *routes):
-            raise InvalidRequest(f"mode: route {asked!r} cannot compute {kind}; use one of 'auto', "
-                                 + ", ".join(repr(r) for r in routes), field="mode")
-        out = []
-        if "forward" in routes and (asked == "forward" or (asked == "auto" and not self.axis.variables)):
-            out.append("forward/vectorized")
-        if asked != "forward":
-            out += ["reverse/vectorized", "reverse/loop", "reverse/eager"]
-            out += [jvp_rows.LABEL] if jvp_rows.applies(kind) else []   # last: J from VJPs (``jvp_rows``)
-        route = tiled_route(kind)
-        if route is not None and tiled_ok(self):
-            tiled, vectorized = f"{route}/tiled", f"{route}/vectorized"
-            if vectorized in out:   # a large graph: tiled first (pfor's trace of it costs tens of seconds)
-                at = out.index(vectorized) + (self.model.graph_ops <= SMALL_GRAPH_OPS)
-                out.insert(at, tiled)
-        return out
+        """The labels a kind's first call tries, in order (``product_labels.candidates``)."""
+        return product_labels.candidates(self, kind)
 
     def _choose(self, kind: str, seeds: np.ndarray) -> np.ndarray:
         """The first call of ``kind``: its seeds and a probe row through each candidate label until one runs and

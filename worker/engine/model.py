@@ -81,6 +81,7 @@ class LoadedModel:
     variables: dict[str, Any]
     fingerprint: str = ""
     graph_ops: int = 0               # ops of the signature's graph and its functions: how costly pfor's trace is
+    graph_loops: int = 0             # While ops among them: pfor fails on their second derivatives (tuning)
     compiled: CompiledChunks = field(default_factory=CompiledChunks)
 
     def find_variable(self, name: str) -> tuple[str, Any]:
@@ -107,6 +108,10 @@ def load_model(path: str, signature: str = "serving_default", *, origin: str | N
     prepare_gpus()
     import tensorflow as tf
 
+    from worker.engine import loop_handles
+
+    loop_handles.install()   # second derivatives through loops that read a captured variable
+
     if str(path).endswith(".keras") and Path(path).is_file():
         from worker.engine.keras_model import load_keras_model
 
@@ -129,8 +134,7 @@ def load_model(path: str, signature: str = "serving_default", *, origin: str | N
     output_specs = {name: tf.TensorSpec(t.shape, t.dtype, name) for name, t in outputs.items()}
     return LoadedModel(path=str(path), signature=signature, loaded=loaded, fn=fn, input_specs=input_specs,
                        output_specs=output_specs, variables=named_variables(loaded, fn.variables),
-                       fingerprint=model_fingerprint(path),
-                       graph_ops=graph_ops(fn))
+                       fingerprint=model_fingerprint(path), **graph_counts(fn))
 
 
 def named_variables(loaded: Any, captured: Any) -> dict[str, Any]:
@@ -169,12 +173,14 @@ def _object_paths(root: Any, wanted: set[int]) -> dict[int, str]:
     return found
 
 
-def graph_ops(fn: Any) -> int:
+def graph_counts(fn: Any) -> dict[str, int]:
+    """``LoadedModel``'s ``graph_ops`` and ``graph_loops`` (``While`` ops) of ``fn``'s graph and its functions."""
     try:
         graph_def = fn.graph.as_graph_def()
     except Exception:  # noqa: BLE001 - a size estimate only
-        return 0
-    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+        return {"graph_ops": 0, "graph_loops": 0}
+    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    return {"graph_ops": len(nodes), "graph_loops": sum(n.op in ("While", "StatelessWhile") for n in nodes)}
 
 
 def describe_signature(model: LoadedModel) -> dict[str, dict[str, dict[str, Any]]]:

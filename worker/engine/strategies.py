@@ -47,6 +47,11 @@ def is_applicable(problem: Problem, strategy: str) -> bool:
     return True
 
 
+def second_order_loops(problem: Problem) -> bool:
+    """A Hessian through ``While`` loops: ``loop`` is tried before pfor (``tuning.default_order``)."""
+    return bool(problem.spec.scalar_of and problem.model.graph_loops)
+
+
 def _batched(problem: Problem) -> bool:
     """``batch_axis_free`` for a problem w.r.t. an input (a variable has no batch axis)."""
     return problem.wrt_variable is None and batch_axis_free(problem.of_shape, problem.inputs, problem.model)

@@ -16,7 +16,7 @@ from worker.engine.memory import is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.planner import fit_bound
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import is_compiled
+from worker.engine.strategies import is_compiled, second_order_loops
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def fail_all(problem: Problem, failures: dict[str, str]) -> NotDifferentiable:
     return NotDifferentiable(f"wrt: TensorFlow cannot differentiate {problem.of!r} with respect to "
                              f"{problem.wrt!r} in this SavedModel ({detail}); every strategy failed, the "
                              f"per-row eager loop included. Re-export the model so that its graph is "
-                             f"differentiable (e.g. pass variables into loops as loop variables)", field="wrt")
+                             f"differentiable (for a Hessian: every op's gradient differentiable again)", field="wrt")
 
 
 def is_unseen(plan: Plan, label: str) -> bool:
@@ -47,7 +47,8 @@ def seen_strategy(problem: Problem, plan: Plan, applicable: list[str]) -> str:
         return max(known, key=lambda label: float(plan.strategies[label].best_rate() or 0.0))
     usable = [label for label in applicable if not is_unseen(plan, label)
               and (label not in plan.strategies or plan.strategies[label].usable)]
-    return tuning.default_order(usable, graph_ops=problem.model.graph_ops)[0] if usable else plan.strategy
+    return tuning.default_order(usable, graph_ops=problem.model.graph_ops,
+                                second_order_loops=second_order_loops(problem))[0] if usable else plan.strategy
 
 
 def avoid_unseen(run: ChunkRun, applicable: list[str], label: str) -> bool:

@@ -5,7 +5,10 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   trace is cheap there); on a large graph ``tiled`` where it applies (its trace is a plain
   gradient, where pfor's conversion costs ~8 ms per op: 9 s on MobileNetV3Small), else
   ``vectorized``. A similar request's last choice comes first. Failures fall through
-  ``vectorized``, ``loop``, ``eager``.
+  ``vectorized``, ``loop``, ``eager``. Second derivatives (Hessians) of a graph with ``While`` loops start
+  with ``loop`` (``second_order_loops``): pfor cannot convert the loop's gradient (its ``TensorList``
+  accumulators lack the handle data pfor needs, TensorFlow 2.21) and spends 50-70 s failing on a 6-variable
+  RK4 integrator, where ``loop``'s one-row function traces in seconds and runs a row in milliseconds.
 - A trial of an alternative is a rent-or-buy decision: it costs about the alternative's compile
   time and can save at most ``EXPECTED_GAIN`` of the compute still to come. It runs once
   ``EXPECTED_GAIN * (this job's remaining seconds + the seconds earlier jobs of the plan spent)``
@@ -50,10 +53,13 @@ FALLBACKS = ("vectorized", "loop", "eager")
 SMALL_GRAPH_OPS = 200     # up to this many ops pfor traces in about a second: start with vectorized
 
 
-def default_order(applicable: Iterable[str], similar: str | None = None, *, graph_ops: int = 0) -> list[str]:
-    """Strategies to start with, in order: a similar request's choice, then by graph size, then the fallbacks."""
+def default_order(applicable: Iterable[str], similar: str | None = None, *, graph_ops: int = 0,
+                  second_order_loops: bool = False) -> list[str]:
+    """Strategies to start with, in order: a similar request's choice, then by graph size (``loop`` first for
+    ``second_order_loops``: a Hessian through ``While`` loops), then the fallbacks."""
     applicable = list(applicable)
     first = ["vectorized", "tiled"] if graph_ops <= SMALL_GRAPH_OPS else ["tiled", "vectorized"]
+    first = ["loop", *first] if second_order_loops else first
     order = [s for s in ([similar] if similar else []) + first + list(FALLBACKS) if s in applicable]
     return list(dict.fromkeys(order))
 
