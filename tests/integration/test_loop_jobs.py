@@ -1,6 +1,6 @@
-"""A ``jvp`` job over HTTP on a model where TensorFlow's forward mode and second derivatives fail (issue 30): an
-RK4 integrator in a float64 ``tf.while_loop``; the products equal ``J v`` from GradientTape's reverse mode, and the
-result's plan names the route that computed them (the derivative of a VJP, one seed per compiled call)."""
+"""A ``jvp`` job over HTTP on a model where TensorFlow's forward mode fails (issue 30): an RK4 integrator in a
+float64 ``tf.while_loop`` (its second derivatives work since ``worker.engine.loop_handles``); the products equal
+``J v`` from GradientTape's reverse mode, and the result's plan names the route that computed them."""
 
 from __future__ import annotations
 
