@@ -133,3 +133,18 @@ def test_the_sizes_a_fresh_process_calls_first():
     # a kept size with its half timed, and rows for RECHECK_CHUNKS chunks: the half is called again
     assert first_call_sizes("vectorized", 16 * 16, 16, timed={8: 1.0, 16: 2.0}) == [8, 16]
     assert first_call_sizes("vectorized", 15 * 16, 16, timed={8: 1.0, 16: 2.0}) == [16]
+
+
+def test_a_fresh_process_is_quoted_on_the_strategy_that_finishes_first_counting_compiles():
+    """The plan's fastest strategy costs 100 s to compile; ``tiled`` (1 s) finishes 64 rows first on a fresh
+    process, as ``strategy_for_job`` chooses: the fresh seconds are its; the steady part stays the plan's."""
+    plan = Plan.from_json(_plan(_key()))
+    plan.strategies["vectorized"].compile_s = 100.0
+    plan.strategies["vectorized"].rates = {16: 500.0}
+    plan.strategies["tiled"] = StrategyRecord(status="ok", verified=True, compile_s=1.0, rates={16: 100.0})
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert q.strategy == "vectorized" and q.predicted_steady_seconds == round(4 * (0.01 + 0.001 * 16), 4)
+    assert q.predicted_seconds == round(1.0 + 64 / 100.0, 4) and "with tiled" in q.basis
+    plan.strategies["tiled"].verified = False   # not verified: never chosen
+    assert quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json()).predicted_seconds == round(
+        q.predicted_steady_seconds + 100.0, 4)
