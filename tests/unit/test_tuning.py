@@ -107,6 +107,8 @@ def test_alternatives_batched_strategies_first_then_xla_and_without_the_tried():
     assert tuning.alternatives(batch, ["vectorized"], xla=False) == ["tiled", "per_example"]
     assert tuning.estimated_compile_s("vectorized", known=None, incumbent="tiled", incumbent_compile_s=2.0) == 12.0
     assert tuning.estimated_compile_s("vectorized", known=3.0, incumbent="tiled", incumbent_compile_s=2.0) == 3.0
+    # an incumbent without a factor (the per-row loop) counts as a plain trace
+    assert tuning.estimated_compile_s("tiled+xla", known=None, incumbent="loop", incumbent_compile_s=2.0) == 8.0
 
 
 def test_compiling_the_faster_strategy_is_bought_once_renting_has_lost_its_cost():

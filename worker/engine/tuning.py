@@ -88,10 +88,10 @@ def alternatives(applicable: Iterable[str], tried: Iterable[str], *, xla: bool) 
     return [s for s in order if s in set(applicable) and s not in skip]
 
 
-def compile_factor(label: str, graph_ops: int = 0) -> float:
+def compile_factor(label: str, graph_ops: int = 0, *, unknown: float = UNKNOWN_FACTOR) -> float:
     """``label``'s compile as a multiple of ``tiled``'s on a graph of ``graph_ops`` ops (0: unknown, the
-    reference graph's factor)."""
-    base = COMPILE_FACTOR.get(label, UNKNOWN_FACTOR)
+    reference graph's factor); ``unknown``: the factor of a label without one (``loop``, ``eager``)."""
+    base = COMPILE_FACTOR.get(label, unknown)
     if graph_ops <= 0:
         return base
     low, high = GRAPH_SCALE_LIMITS
@@ -106,7 +106,8 @@ def _transforms(label: str) -> set[str]:
     return ({"pfor"} if name in ("vectorized", "per_example") else set()) | ({"xla"} if flag == "xla" else set())
 
 
-def learned_factor(label: str, *, graph_ops: int = 0, learned: Mapping[str, float] | None = None) -> float:
+def learned_factor(label: str, *, graph_ops: int = 0, learned: Mapping[str, float] | None = None,
+                   unknown: float = UNKNOWN_FACTOR) -> float:
     """``label``'s factor for this request: the one a plan measured for it (``learned``: label -> measured
     factor, recorded where a trial's compile exceeded its estimate), else ``compile_factor`` scaled by the
     largest excess a plan measured for a strategy sharing one of its transforms (an XLA compile that took 3x
@@ -114,7 +115,7 @@ def learned_factor(label: str, *, graph_ops: int = 0, learned: Mapping[str, floa
     learned = learned or {}
     if learned.get(label):
         return float(learned[label])
-    factor = compile_factor(label, graph_ops)
+    factor = compile_factor(label, graph_ops, unknown=unknown)
     excess = [float(f) / compile_factor(other, graph_ops) for other, f in learned.items()
               if f and _transforms(other) & _transforms(label)]
     return factor * max([1.0, *excess])
@@ -126,7 +127,7 @@ def estimated_compile_s(candidate: str, *, known: float | None, incumbent: str, 
     ``learned_factor`` (the graph's size, and what the plan measured)."""
     if known is not None:
         return known
-    base = learned_factor(incumbent, graph_ops=graph_ops, learned=learned)
+    base = learned_factor(incumbent, graph_ops=graph_ops, learned=learned, unknown=1.0)   # loop, eager: as tiled
     return incumbent_compile_s * learned_factor(candidate, graph_ops=graph_ops, learned=learned) / base
 
 
