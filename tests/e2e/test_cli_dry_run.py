@@ -56,8 +56,11 @@ def test_compute_dry_run_prints_the_quote_and_computes_nothing(tmp_path: Path) -
     assert record["compile_s"] is not None, record   # the cold run measured its first call
     sizes = first_call_sizes(planned["strategy"], 256, planned["predicted_chunk_rows"], timed=record["rates"])
     first = planned["predicted_seconds"] - planned["predicted_steady_seconds"]
-    assert first == pytest.approx(record["compile_s"] * len(sizes), abs=2e-4), (planned, record)
     assert "fresh worker process" in planned["basis"]
+    if "finishes this job first" in planned["basis"]:   # a trial left a strategy cheaper to start: its time
+        assert first < record["compile_s"] * len(sizes), (planned, record)
+    else:
+        assert first == pytest.approx(record["compile_s"] * len(sizes), abs=2e-4), (planned, record)
 
 
 def test_compute_dry_run_refuses_what_a_run_refuses(tmp_path: Path) -> None:
