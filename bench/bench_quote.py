@@ -1,8 +1,10 @@
 """Quotes against what the job then measured (issue 25): on each architecture, a cold ``jacobian compute``
 makes the plan, ``jacobian compute --dry-run`` quotes the same request from it, and a warm run measures;
 the quote's ``predicted_peak_bytes`` (at its ``predicted_chunk_rows``) is compared with the peak the warm run
-measured at that chunk size (the manifest's ``plan.peaks``), and ``predicted_seconds`` with the warm run's
-compute seconds. Goal: the peak within 25 %. Also the quote's own wall time as a process (no TensorFlow).
+measured at that chunk size (the manifest's ``plan.peaks``), and ``predicted_seconds`` (a fresh process: the
+steady chunks and the plan's first calls; ``predicted_steady_seconds`` beside it) with the warm run's compute
+seconds (a fresh process too). Each run's strategy and trial are listed. Goal: the peak within 25 %. Also the
+quote's own wall time as a process (no TensorFlow).
 
 Run: .venv/bin/python -m bench.bench_quote [--models mobilenet_softmax,efficientnet,transformer,lstm,conv1d]
      [--out bench/results]
@@ -33,6 +35,7 @@ def one(name: str, work: Path) -> dict:
     quote = json.loads(quoted["stdout"])
     warm = run([*base, "--job-id", "warm"], env, f"{name}: warm")
     plan = json.loads((work / "results" / "warm" / "manifest.json").read_text()).get("plan") or {}
+    cold_plan = json.loads((work / "results" / "cold" / "manifest.json").read_text()).get("plan") or {}
     k = quote.get("predicted_chunk_rows")
     peaks = {int(s): int(p) for s, p in (plan.get("peaks") or {}).items()}
     measured = peaks.get(k) if k is not None else None
@@ -42,7 +45,12 @@ def one(name: str, work: Path) -> dict:
            "predicted_peak_MiB": None if predicted is None else round(predicted / 2**20, 1),
            "measured_peak_MiB": None if measured is None else round(measured / 2**20, 1),
            "peak_predicted/measured": None if not (predicted and measured) else round(predicted / measured, 3),
-           "predicted_s": quote.get("predicted_seconds"), "warm_compute_s": plan.get("run_seconds"),
+           "predicted_s": quote.get("predicted_seconds"), "predicted_steady_s": quote.get("predicted_steady_seconds"),
+           "warm_compute_s": plan.get("run_seconds"),
+           "predicted/warm_compute": None if not (quote.get("predicted_seconds") and plan.get("run_seconds"))
+           else round(quote["predicted_seconds"] / plan["run_seconds"], 3),
+           "cold_strategy": cold_plan.get("strategy"), "cold_trial": cold_plan.get("trial"),
+           "warm_strategy": plan.get("strategy"), "warm_trial": plan.get("trial"),
            "cold_s": cold["wall_s"], "warm_s": warm["wall_s"], "quote_process_s": quoted["wall_s"],
            "measured_peaks_MiB": {s: round(p / 2**20, 1) for s, p in sorted(peaks.items())}}
     if measured is None:

@@ -25,6 +25,8 @@ from contracts.savedmodel import VARIABLE_PREFIX, Signature, TensorSpec
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]   # input name -> (shape, numpy dtype name)
 MAX_CHUNK_ROWS = 4096   # the planner's largest chunk (worker.engine.planner.plan_chunk)
 SAFETY = 0.8            # the planner's share of a memory budget a chunk may use
+RECHECK_CHUNKS = 16     # a plan's kept size is checked against half of it with this many chunks to run
+                        # (worker.engine.tuning.RECHECK_CHUNKS)
 
 
 class ArrayQuote(BaseModel):
@@ -53,7 +55,15 @@ class Quote(BaseModel):
     result_bytes: int | None = Field(description="bytes of all result arrays; null when only the worker can know")
     passes: Passes
     predicted_peak_bytes: int | None
-    predicted_seconds: float | None
+    predicted_seconds: float | None = Field(
+        description="seconds of compute of the whole job on a fresh worker process: the steady chunks "
+                    "(predicted_steady_seconds) plus the plan's measured first call (trace, compile) of each chunk "
+                    "size the job would run; a worker process that has already run this request pays only the "
+                    "steady part. Not counted: loading the model, the queue, writing the result. Null without "
+                    "a plan's timing")
+    predicted_steady_seconds: float | None = Field(
+        None, description="the steady part of predicted_seconds: the chunks at the plan's measured time per chunk, "
+                          "no first calls (a worker process that has traced this request)")
     predicted_chunk_rows: int | None = None
     strategy: str | None = None
     guess: bool = Field(description="false: predicted from a persisted plan of this request; true: a guess")
@@ -225,6 +235,37 @@ def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_r
     return peak, secs, k, label
 
 
+def first_call_sizes(label: str, rows: int, k: int, *, timed: Any = (), forced: bool = False) -> list[int]:
+    """The chunk sizes a fresh worker process would call first when it runs ``rows`` rows at ``k`` under ``label``
+    (``worker.engine.chunk_run``; XLA pads a call to a power of two): ``k``; the tail's size where fewer rows
+    are left than ``k`` and more than ``k`` would pad (a call pads only up to the bucket of the rows left);
+    half of ``k`` where the plan timed it and the job has ``RECHECK_CHUNKS`` chunks (its kept size is checked
+    again). ``forced``: the request's ``chunk_rows`` (no padding, no check)."""
+    def size(n: int) -> int:
+        return bucket_rows(n) if label.endswith("+xla") else n
+
+    if rows <= k:
+        return [size(rows)]
+    sizes = {size(k)}
+    tail = rows % k
+    if tail and (forced or not tail <= k <= bucket_rows(tail)):
+        sizes.add(size(tail))
+    if not forced and k // 2 in {int(t) for t in timed} and rows >= RECHECK_CHUNKS * k:
+        sizes.add(size(k // 2))
+    return sorted(sizes)
+
+
+def first_calls(plan: Mapping[str, Any], label: str, rows: int, k: int, *, forced: bool) -> tuple[float, int] | None:
+    """Seconds of the first calls a fresh process would make (the plan's ``compile_s`` per chunk size it would
+    call first, ``first_call_sizes``) and how many; None when the plan has not measured ``compile_s``."""
+    record = plan["strategies"][label]
+    compile_s = record.get("compile_s")
+    if compile_s is None:
+        return None
+    sizes = first_call_sizes(label, rows, k, timed=record.get("rates") or {}, forced=forced)
+    return float(compile_s) * len(sizes), len(sizes)
+
+
 def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], shapes: Shapes, *,
           memory_budget_bytes: int | None = None, plan: Mapping[str, Any] | None = None,
           plan_name: str = "") -> Quote:
@@ -266,23 +307,66 @@ def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], 
             peak, secs, k, label = _from_plan(plan, passes.count, batch=batch, chunk_rows=spec.chunk_rows,
                                               budget=budget)
             when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(plan.get("updated_at") or 0)))
-            fields = {"predicted_peak_bytes": peak, "predicted_seconds": None if secs is None else round(secs, 4),
-                      "predicted_chunk_rows": k, "strategy": label, "guess": False,
+            fields = {"predicted_peak_bytes": peak, "predicted_chunk_rows": k, "strategy": label, "guess": False,
                       "basis": f"persisted plan {plan_name} from {when} ({label}; jobs: {plan.get('jobs', 0)}; on "
                                f"{(plan.get('key') or {}).get('device', 'a device')})"}
+            timing = _seconds(plan, label, passes.count, k, secs, forced=spec.chunk_rows is not None)
+            fields |= {**timing, "basis": fields["basis"] + timing.get("basis", "")}
         except (KeyError, ValueError, TypeError, ZeroDivisionError):
             fields = {}
     if not fields:
         fields = _guess(passes, total, input_bytes, spec, plan is not None)
         rates = ((plan or {}).get("strategies") or {}).get(str((plan or {}).get("strategy")), {}).get("rates")
         if rates and passes.unit == "rows" and passes.count:   # timed, but its memory not yet measured
-            fields["predicted_seconds"] = round(passes.count / max(map(float, rates.values())), 4)
-            fields["strategy"] = str(plan["strategy"])  # type: ignore[index]
-            fields["basis"] = (f"time from persisted plan {plan_name} ({fields['strategy']}'s best rows/s); peak "
-                               f"memory not measured yet, {fields['basis']}")
+            label = str(plan["strategy"])  # type: ignore[index]
+            k = min(bucket_rows(passes.count), MAX_CHUNK_ROWS, max(int(r) for r in rates))
+            timing = _seconds(plan, label, passes.count, k,  # type: ignore[arg-type]
+                              passes.count / max(map(float, rates.values())), forced=False)
+            fields |= {"strategy": label, "predicted_seconds": timing["predicted_seconds"],
+                       "predicted_steady_seconds": timing["predicted_steady_seconds"],
+                       "basis": f"time from persisted plan {plan_name} ({label}'s best rows/s)"
+                                f"{timing.get('basis', '')}; peak memory not measured yet, {fields['basis']}"}
     return Quote(kind=kind.name, family=kind.family.value, of=of,
                  wrt=spec.wrt if spec.wrt is not None else "", mode=mode, arrays=arrays,
                  result_bytes=total, passes=passes, **fields)
+
+
+def _seconds(plan: Mapping[str, Any], label: str, rows: int, k: int, steady: float | None, *,
+             forced: bool) -> dict[str, Any]:
+    """``predicted_seconds`` (a fresh worker process: ``steady`` plus the first calls, ``first_calls``) and
+    ``predicted_steady_seconds``, and what the basis says of them."""
+    if steady is None:
+        return {"predicted_seconds": None, "predicted_steady_seconds": None}
+    first = first_calls(plan, label, rows, k, forced=forced)
+    if first is None:
+        return {"predicted_seconds": round(steady, 4), "predicted_steady_seconds": round(steady, 4),
+                "basis": "; first calls not measured yet: the seconds are the steady chunks only"}
+    seconds, sizes = first
+    out = {"predicted_seconds": round(steady + seconds, 4), "predicted_steady_seconds": round(steady, 4),
+           "basis": f"; seconds on a fresh worker process: {round(steady, 4)} s of steady chunks and "
+                    f"{round(seconds, 4)} s of first calls ({sizes} chunk size{'s' if sizes > 1 else ''})"}
+    rent = cheaper_to_start(plan, label, rows, steady + seconds) if not forced else None
+    if rent is not None:   # a fresh process runs what finishes the job first (worker.engine.trial.strategy_for_job)
+        other, total = rent
+        out["predicted_seconds"] = round(total, 4)
+        out["basis"] = (f"; seconds on a fresh worker process: {round(total, 4)} s with {other}, which compiles "
+                        f"faster than {label} and finishes this job first (its compile and best rows/s)")
+    return out
+
+
+def cheaper_to_start(plan: Mapping[str, Any], label: str, rows: int, total: float) -> tuple[str, float] | None:
+    """Another verified strategy of the plan whose compile plus ``rows`` at its best rows/s beats ``total`` (the
+    plan's strategy on a fresh process), as a fresh process chooses (``strategy_for_job``); None if none."""
+    best: tuple[str, float] | None = None
+    for other, record in (plan.get("strategies") or {}).items():
+        rates = record.get("rates") or {}
+        if other == label or record.get("status") != "ok" or not record.get("verified") or not rates \
+                or record.get("compile_s") is None:
+            continue
+        seconds = float(record["compile_s"]) + rows / max(map(float, rates.values()))
+        if seconds < total and (best is None or seconds < best[1]):
+            best = (other, seconds)
+    return best
 
 
 def _guess(passes: Passes, total: int | None, input_bytes: int, spec: QueuedJob, had_plan: bool) -> dict[str, Any]:

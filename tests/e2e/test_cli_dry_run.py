@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zarr
 
+from contracts.quote import first_call_sizes
 from tests import models
 
 pytestmark = pytest.mark.e2e
@@ -48,6 +49,18 @@ def test_compute_dry_run_prints_the_quote_and_computes_nothing(tmp_path: Path) -
     planned = json.loads(jacobian_cli(*run, "--dry-run", cache=cache).stdout)
     assert planned["guess"] is False and planned["basis"].startswith("persisted plan "), planned
     assert planned["predicted_peak_bytes"] > 0 and planned["predicted_seconds"] > 0
+    # predicted_seconds: a fresh process (as every ``jacobian compute`` is), the steady chunks plus the plan's
+    # measured first call of each chunk size it would call first
+    (stored,) = (cache / "plans").glob("request-*.json")
+    record = json.loads(stored.read_text())["strategies"][planned["strategy"]]
+    assert record["compile_s"] is not None, record   # the cold run measured its first call
+    sizes = first_call_sizes(planned["strategy"], 256, planned["predicted_chunk_rows"], timed=record["rates"])
+    first = planned["predicted_seconds"] - planned["predicted_steady_seconds"]
+    assert "fresh worker process" in planned["basis"]
+    if "finishes this job first" in planned["basis"]:   # a trial left a strategy cheaper to start: its time
+        assert first < record["compile_s"] * len(sizes), (planned, record)
+    else:
+        assert first == pytest.approx(record["compile_s"] * len(sizes), abs=2e-4), (planned, record)
 
 
 def test_compute_dry_run_refuses_what_a_run_refuses(tmp_path: Path) -> None:

@@ -63,6 +63,9 @@ def test_dry_run_quotes_a_guess_then_the_plan_and_writes_nothing(worker_client, 
     assert planned["guess"] is False and planned["basis"].startswith("persisted plan "), planned
     assert planned["strategy"] == record["plan"]["strategy"]
     assert planned["predicted_chunk_rows"] >= 1 and planned["predicted_seconds"] > 0
+    # a fresh worker's seconds: the steady part plus the plan's measured first calls (when it measured them)
+    assert planned["predicted_seconds"] >= planned["predicted_steady_seconds"] > 0
+    assert "s of first calls" in planned["basis"] or "first calls not measured yet" in planned["basis"], planned
     # the plan's measured line at the quoted chunk: what the worker's status says a row costs, within 50 %
     k, measured = planned["predicted_chunk_rows"], record["plan"]["bytes_per_row"]
     expected = (record["plan"]["fixed_bytes"] or 0) + measured * k

@@ -7,7 +7,7 @@ import time
 
 from contracts.jobspec import SEEDS_MEMBER, ModelRef, QueuedJob
 from contracts.plans import plan_request, request_digest, request_key_json
-from contracts.quote import quote
+from contracts.quote import first_call_sizes, quote
 from contracts.savedmodel import Signature, TensorSpec
 from worker.engine.plan import Plan, PlanKey, StrategyRecord
 from worker.engine.planner import LinearFit
@@ -102,3 +102,49 @@ def test_a_chunk_size_the_plan_ran_is_quoted_at_its_measured_peak():
     assert measured.predicted_chunk_rows == 16 and measured.predicted_peak_bytes == 2100
     other = quote(job(of="y", wrt="x", chunk_rows=8), SIG, {}, SHAPES, plan=plan.to_json())
     assert other.predicted_peak_bytes == 1000 + 100 * 8
+
+
+def test_seconds_count_the_first_calls_of_a_fresh_process_beside_the_steady_part():
+    """64 rows at 16: four steady chunks, and the plan's ``compile_s`` for the one size a fresh process calls."""
+    plan = Plan.from_json(_plan(_key()))
+    steady = round(4 * (0.01 + 0.001 * 16), 4)
+    bare = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert bare.predicted_seconds == bare.predicted_steady_seconds == steady
+    assert "first calls not measured yet" in bare.basis
+    plan.strategies["vectorized"].compile_s = 2.5
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert q.predicted_steady_seconds == steady and q.predicted_seconds == round(steady + 2.5, 4)
+    assert "fresh worker process" in q.basis and "1 chunk size)" in q.basis
+    # a pinned chunk of 24 rows: 24, 24 and a tail of 16, a second size and a second first call
+    pinned = quote(job(of="y", wrt="x", chunk_rows=24), SIG, {}, SHAPES, plan=plan.to_json())
+    assert pinned.predicted_seconds == round(pinned.predicted_steady_seconds + 2 * 2.5, 4)
+    assert "2 chunk sizes" in pinned.basis
+
+
+def test_the_sizes_a_fresh_process_calls_first():
+    assert first_call_sizes("vectorized", 64, 16) == [16]
+    assert first_call_sizes("vectorized", 100, 64) == [64]            # the tail of 36 pads to 64, a size run
+    assert first_call_sizes("vectorized", 100, 32) == [4, 32]         # a tail of 4: its own size
+    assert first_call_sizes("tiled+xla", 100, 32) == [4, 32]          # XLA: a power of two, padded
+    assert first_call_sizes("tiled+xla", 99, 32) == [4, 32]           # a tail of 3 pads to 4
+    assert first_call_sizes("tiled+xla", 24, 32) == [32]              # one call, padded to its bucket
+    assert first_call_sizes("vectorized", 10, 16) == [10]             # fewer rows than a chunk: one call
+    assert first_call_sizes("vectorized", 100, 64, forced=True) == [36, 64]   # chunk_rows: no padding
+    # a kept size with its half timed, and rows for RECHECK_CHUNKS chunks: the half is called again
+    assert first_call_sizes("vectorized", 16 * 16, 16, timed={8: 1.0, 16: 2.0}) == [8, 16]
+    assert first_call_sizes("vectorized", 15 * 16, 16, timed={8: 1.0, 16: 2.0}) == [16]
+
+
+def test_a_fresh_process_is_quoted_on_the_strategy_that_finishes_first_counting_compiles():
+    """The plan's fastest strategy costs 100 s to compile; ``tiled`` (1 s) finishes 64 rows first on a fresh
+    process, as ``strategy_for_job`` chooses: the fresh seconds are its; the steady part stays the plan's."""
+    plan = Plan.from_json(_plan(_key()))
+    plan.strategies["vectorized"].compile_s = 100.0
+    plan.strategies["vectorized"].rates = {16: 500.0}
+    plan.strategies["tiled"] = StrategyRecord(status="ok", verified=True, compile_s=1.0, rates={16: 100.0})
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert q.strategy == "vectorized" and q.predicted_steady_seconds == round(4 * (0.01 + 0.001 * 16), 4)
+    assert q.predicted_seconds == round(1.0 + 64 / 100.0, 4) and "with tiled" in q.basis
+    plan.strategies["tiled"].verified = False   # not verified: never chosen
+    assert quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json()).predicted_seconds == round(
+        q.predicted_steady_seconds + 100.0, 4)

@@ -107,6 +107,8 @@ def test_alternatives_batched_strategies_first_then_xla_and_without_the_tried():
     assert tuning.alternatives(batch, ["vectorized"], xla=False) == ["tiled", "per_example"]
     assert tuning.estimated_compile_s("vectorized", known=None, incumbent="tiled", incumbent_compile_s=2.0) == 12.0
     assert tuning.estimated_compile_s("vectorized", known=3.0, incumbent="tiled", incumbent_compile_s=2.0) == 3.0
+    # an incumbent without a factor (the per-row loop) counts as a plain trace
+    assert tuning.estimated_compile_s("tiled+xla", known=None, incumbent="loop", incumbent_compile_s=2.0) == 8.0
 
 
 def test_compiling_the_faster_strategy_is_bought_once_renting_has_lost_its_cost():
@@ -116,3 +118,62 @@ def test_compiling_the_faster_strategy_is_bought_once_renting_has_lost_its_cost(
     assert tuning.buy_compile(rent_job_s=5.7, best_rows_s=3.6, compile_s=6.5, regret_s=4.5)
     # a long job pays for the compile on its own
     assert tuning.buy_compile(rent_job_s=31.1, best_rows_s=18.2, compile_s=6.5, regret_s=0.0)
+
+
+def test_compile_factors_grow_with_the_graph_for_pfor_and_xla_not_for_a_plain_trace():
+    ref = tuning.REFERENCE_GRAPH_OPS
+    for label, base in tuning.COMPILE_FACTOR.items():
+        assert tuning.compile_factor(label, ref) == pytest.approx(base)   # the reference graph's factors
+        assert tuning.compile_factor(label, 0) == base                    # an unknown size: the same
+    assert tuning.compile_factor("tiled", 8 * ref) == 1.0
+    for label in ("vectorized", "tiled+xla", "vectorized+xla", "per_example"):
+        small, big = tuning.compile_factor(label, ref // 4), tuning.compile_factor(label, 2 * ref)
+        assert small <= tuning.COMPILE_FACTOR[label] < 1.5 * tuning.COMPILE_FACTOR[label] < big, label
+    # EfficientNetB0 (3187 ops): pfor ~3x and XLA ~30x their reference factors, as measured
+    assert 2.5 < tuning.compile_factor("vectorized", 3187) / tuning.COMPILE_FACTOR["vectorized"] < 4
+    assert 20 < tuning.compile_factor("tiled+xla", 3187) / tuning.COMPILE_FACTOR["tiled+xla"] < 40
+    # beyond the measured range the scale is held, not extrapolated
+    high = tuning.GRAPH_SCALE_LIMITS[1]
+    assert tuning.compile_factor("tiled+xla", int(10 * high * ref)) == tuning.compile_factor("tiled+xla",
+                                                                                            int(high * ref))
+
+
+def test_on_a_large_graph_an_xla_trial_no_longer_pays_what_it_paid_on_the_reference_graph():
+    """EfficientNetB0's warm job (docs/BENCHMARKS.md): 36 s of earlier work made a ``tiled+xla`` trial pay on
+    MobileNetV3Small's factor, and its compile took ~70 s. Sized by the graph, the estimate holds it back."""
+    ref = tuning.REFERENCE_GRAPH_OPS
+    incumbent_s = 4.0    # tiled's trace
+    at_ref = tuning.estimated_compile_s("tiled+xla", known=None, incumbent="tiled", incumbent_compile_s=incumbent_s,
+                                        graph_ops=ref)
+    large = tuning.estimated_compile_s("tiled+xla", known=None, incumbent="tiled", incumbent_compile_s=incumbent_s,
+                                       graph_ops=4 * ref)
+    assert at_ref == pytest.approx(16.0) and large > 1.5 * at_ref
+    past = at_ref / tuning.EXPECTED_GAIN      # exactly what pays at the reference graph
+    assert tuning.trial_pays(cost_s=at_ref, remaining_s=0.0, past_work_s=past)
+    assert not tuning.trial_pays(cost_s=large, remaining_s=0.0, past_work_s=past)
+
+
+def test_a_learned_factor_replaces_the_estimate_and_raises_those_sharing_its_transform():
+    ops = tuning.REFERENCE_GRAPH_OPS
+    plain = {label: tuning.learned_factor(label, graph_ops=ops) for label in tuning.COMPILE_FACTOR}
+    learned = {"tiled+xla": 3 * plain["tiled+xla"]}        # XLA measured at 3x its estimate
+    assert tuning.learned_factor("tiled+xla", graph_ops=ops, learned=learned) == learned["tiled+xla"]
+    assert tuning.learned_factor("vectorized+xla", graph_ops=ops, learned=learned) == pytest.approx(
+        3 * plain["vectorized+xla"])                       # shares XLA
+    assert tuning.learned_factor("vectorized", graph_ops=ops, learned=learned) == plain["vectorized"]   # pfor only
+    assert tuning.learned_factor("tiled", graph_ops=ops, learned=learned) == 1.0
+    est = tuning.estimated_compile_s("vectorized+xla", known=None, incumbent="tiled", incumbent_compile_s=2.0,
+                                     graph_ops=ops, learned=learned)
+    assert est == pytest.approx(2.0 * 3 * plain["vectorized+xla"])
+    # a measured compile still wins over any factor
+    assert tuning.estimated_compile_s("tiled+xla", known=5.0, incumbent="tiled", incumbent_compile_s=2.0,
+                                      graph_ops=ops, learned=learned) == 5.0
+
+
+def test_a_learned_compile_factor_persists_with_the_plan():
+    plan = Plan(strategy="tiled", key=key(), strategies={"tiled+xla": StrategyRecord(status="ok", compile_s=70.0,
+                                                                                      compile_factor=17.5)})
+    again = Plan.loads(plan.dumps())
+    assert again.strategies["tiled+xla"].compile_factor == 17.5
+    assert Plan.loads(Plan(strategy="tiled", key=key(), strategies={"tiled": StrategyRecord()}).dumps()) \
+        .strategies["tiled"].compile_factor is None

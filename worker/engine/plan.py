@@ -87,6 +87,8 @@ class StrategyRecord:
     verified: bool = False           # its rows matched the eager reference rows (at some chunk size)
     verified_rows: list[int] = field(default_factory=list)   # the chunk sizes whose rows were checked
     compile_s: float | None = None   # first call minus a steady call of the same size
+    compile_factor: float | None = None   # its compile as a multiple of ``tiled``'s, measured by a trial whose
+                                          # compile exceeded the estimate (``worker.engine.tuning.learned_factor``)
     memory: LinearFit | None = None  # peak bytes of a chunk, in rows: at or above every measured peak
     seconds: LinearFit | None = None  # seconds of a chunk, in rows
     rates: dict[int, float] = field(default_factory=dict)   # rows/s measured per chunk size (the sizes timed)
@@ -114,6 +116,7 @@ class StrategyRecord:
         memory, seconds = data.get("memory"), data.get("seconds")
         return cls(status=data.get("status", "untried"), reason=data.get("reason"),
                    verified=bool(data.get("verified")), compile_s=data.get("compile_s"),
+                   compile_factor=data.get("compile_factor"),
                    verified_rows=[int(k) for k in data.get("verified_rows") or []],
                    memory=None if memory is None else LinearFit(float(memory[0]), float(memory[1])),
                    seconds=None if seconds is None else LinearFit(float(seconds[0]), float(seconds[1])),

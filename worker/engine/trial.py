@@ -151,15 +151,43 @@ def maybe_trial(run: ChunkRun, applicable: list[str], *, rows_left: int, seconds
             return  # the winner calibrates on the next chunks; further trials come after that
 
 
+def learned_factors(plan: Plan) -> dict[str, float]:
+    """label -> the compile factor a trial measured for it (``StrategyRecord.compile_factor``)."""
+    return {label: r.compile_factor for label, r in plan.strategies.items() if r.compile_factor}
+
+
+def estimated_compile(run: ChunkRun, candidate: str) -> float:
+    """``tuning.estimated_compile_s`` of ``candidate`` in this run: scaled from the incumbent's measured compile
+    by the graph's size and what the plan learnt."""
+    plan = run.plan
+    return tuning.estimated_compile_s(candidate, known=plan.record(candidate).compile_s, incumbent=plan.strategy,
+                                      incumbent_compile_s=plan.record(plan.strategy).compile_s or 1.0,
+                                      graph_ops=run.problem.model.graph_ops, learned=learned_factors(plan))
+
+
 def _pays(run: ChunkRun, candidate: str, *, rows_left: int, seconds_per_row: float) -> bool:
     """``tuning.trial_pays`` for ``candidate``: its estimated compile plus the trial's chunks, against
     this job's remaining seconds and what earlier jobs of the plan spent."""
     assert run.last is not None
-    plan, k_inc = run.plan, len(run.last[1])
-    cost = tuning.estimated_compile_s(candidate, known=plan.record(candidate).compile_s, incumbent=plan.strategy,
-                                      incumbent_compile_s=plan.record(plan.strategy).compile_s or 1.0)
-    cost += (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * k_inc
-    return tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row, past_work_s=plan.work_s)
+    cost = estimated_compile(run, candidate) + (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * len(run.last[1])
+    return tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row, past_work_s=run.plan.work_s)
+
+
+def learn_compile(run: ChunkRun, candidate: str, estimate: float | None, trial: dict[str, Any]) -> None:
+    """Where ``candidate``'s measured compile exceeded the ``estimate`` its trial was decided on, keep the factor
+    that would have predicted it (``StrategyRecord.compile_factor``): later jobs and processes of this plan
+    estimate with it, and the strategies sharing its transforms (``tuning.learned_factor``) too."""
+    record = run.plan.record(candidate)
+    if estimate is None or record.compile_s is None:
+        return
+    trial.update({"estimated_compile_s": round(estimate, 3), "compile_s": record.compile_s})
+    if record.compile_s <= estimate or estimate <= 0:
+        return
+    factor = tuning.learned_factor(candidate, graph_ops=run.problem.model.graph_ops,
+                                   learned=learned_factors(run.plan))
+    record.compile_factor = round(factor * record.compile_s / estimate, 3)
+    log.info("trial %s: its compile took %.1f s against %.1f s estimated; its compile factor is now %.3g", candidate,
+             record.compile_s, estimate, record.compile_factor)
 
 
 def run_trial(run: ChunkRun, candidate: str) -> None:
@@ -174,6 +202,7 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
     start, ref, incumbent, peak_inc = run.last
     plan, k_inc = run.plan, len(ref)
     record = plan.record(candidate)
+    estimate = None if record.compile_s is not None else estimated_compile(run, candidate)
     k_small = max(1, k_inc // 4)
     trial: dict[str, Any] = {"candidate": candidate, "incumbent": incumbent}
     run.status["trial"] = trial
@@ -229,6 +258,7 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
     record.rates[k_c] = round(1.0 / float(np.median(cand_times)), 3)
     if record.compile_s is not None:
         record.compile_s = round(max(record.compile_s - float(np.median(cand_times)) * k_small, 0.0), 3)
+    learn_compile(run, candidate, estimate, trial)
     if k_c != k_small:
         for k, peak in ((k_small, peak_small), (k_c, max(peaks))):
             record.peaks[k] = max(record.peaks.get(k, 0), int(peak))

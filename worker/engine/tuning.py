@@ -12,7 +12,10 @@ and how far a chunk grows while it is calibrated on the job's own rows.
 - A trial of an alternative is a rent-or-buy decision: it costs about the alternative's compile
   time and can save at most ``EXPECTED_GAIN`` of the compute still to come. It runs once
   ``EXPECTED_GAIN * (this job's remaining seconds + the seconds earlier jobs of the plan spent)``
-  reaches the estimated cost, so a short job never pays for one and a repeated job pays once.
+  reaches the estimated cost, so a short job never pays for one and a repeated job pays once. The cost
+  is the candidate's measured compile, else the incumbent's scaled by ``compile_factor`` (grown with the
+  graph: pfor's and XLA's compiles outgrow a plain trace on large graphs) or by the factor a trial of this
+  plan measured (``learned_factor``).
 - A trial is decided on the job's real chunks at the size each strategy would run, interleaved
   (incumbent, candidate, incumbent, ...): the median of the paired per-row time ratios must beat
   the incumbent by ``TIE_BAND``; ties keep the incumbent.
@@ -35,7 +38,7 @@ and how far a chunk grows while it is calibrated on the job's own rows.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 FIRST_ROWS = 8            # the first chunk of an uncalibrated strategy
 FIRST_CALL_MARGIN = 1.25  # a new chunk size's first call can peak this much above its steady calls
@@ -43,12 +46,30 @@ RECHECK_CHUNKS = 16       # a job re-checks its plan's chunk size when it has th
 EXPECTED_GAIN = 0.3       # what an alternative strategy may save, at most, as a fraction of the compute
 TIE_BAND = 0.05           # a candidate must be 5 % faster per row (median of pairs) to replace the incumbent
 TRIAL_PAIRS = 3           # timed (incumbent, candidate) pairs in a trial
-# Compile cost of a strategy never compiled for this request, as a multiple of the incumbent's
-# measured compile: pfor converts every op of the backward graph (~6x a plain gradient's trace
-# on MobileNetV3Small); XLA compiles the whole graph on top of that; ``per_example`` nests pfor in
-# pfor (4x ``vectorized``'s trace on a 32x32 MobileNetV3Small, 2x on an MLP).
+# Compile cost of a strategy never compiled for this request, as a multiple of ``tiled``'s (a plain
+# gradient's trace), on MobileNetV3Small (``REFERENCE_GRAPH_OPS`` ops): pfor converts every op of the backward
+# graph (~6x a plain gradient's trace); XLA compiles the whole graph on top of that; ``per_example`` nests pfor
+# in pfor (4x ``vectorized``'s trace on a 32x32 MobileNetV3Small, 2x on an MLP).
 COMPILE_FACTOR = {"tiled": 1.0, "vectorized": 6.0, "tiled+xla": 4.0, "vectorized+xla": 10.0,
                   "per_example": 24.0, "per_example+xla": 28.0}
+UNKNOWN_FACTOR = 4.0
+# On a larger graph pfor and XLA cost much more again than a plain trace: the factor is scaled by
+# ``(graph_ops / REFERENCE_GRAPH_OPS) ** exponent`` (``compile_factor``), one exponent below the reference graph
+# and one above it. Measured 2026-11-26 by ``python -m bench.bench_compile`` (each strategy's first call minus
+# a steady call at 8 rows, in a fresh process after a warm-up; the 2-core VM under a load of ~10-16 from other
+# agents, so single figures are noisy, the growth is not):
+#   model (graph_ops)          tiled s   vectorized s (x tiled)   tiled+xla s (x tiled)
+#   Conv1D x3 (50)             1.3       2.5   (1.89)             1.3   (1.01)
+#   MobileNetV3Small (1083)    18.0      47.4  (2.63)             14.3  (0.79)
+#   EfficientNetB0 (3187)      14.9      121.4 (8.14)             382.5 (25.6)
+# Above the reference: pfor's ratio grows as ops^1.05 (2.63 -> 8.14 over 2.94x the ops), XLA's as ops^3.2
+# (0.79 -> 25.6); below it barely moves (pfor ops^0.1, XLA not at all). The factors keep their reference values
+# (measured on a quiet machine, higher than these) and take the growth; a measured compile replaces them all.
+REFERENCE_GRAPH_OPS = 1083   # MobileNetV3Small's signature, where COMPILE_FACTOR was measured
+PFOR_EXPONENTS, XLA_EXPONENTS = (0.1, 1.05), (0.0, 3.2)   # (below, above) the reference graph
+GRAPH_EXPONENT = {"vectorized": PFOR_EXPONENTS, "per_example": PFOR_EXPONENTS, "tiled+xla": XLA_EXPONENTS,
+                  "vectorized+xla": XLA_EXPONENTS, "per_example+xla": XLA_EXPONENTS}
+GRAPH_SCALE_LIMITS = (0.05, 4.0)   # ops / REFERENCE_GRAPH_OPS is held within these: about the range measured
 FALLBACKS = ("vectorized", "loop", "eager")
 SMALL_GRAPH_OPS = 200     # up to this many ops pfor traces in about a second: start with vectorized
 
@@ -73,12 +94,47 @@ def alternatives(applicable: Iterable[str], tried: Iterable[str], *, xla: bool) 
     return [s for s in order if s in set(applicable) and s not in skip]
 
 
-def estimated_compile_s(candidate: str, *, known: float | None, incumbent: str, incumbent_compile_s: float) -> float:
-    """Seconds to compile ``candidate``: measured before if known, else scaled from the incumbent's."""
+def compile_factor(label: str, graph_ops: int = 0, *, unknown: float = UNKNOWN_FACTOR) -> float:
+    """``label``'s compile as a multiple of ``tiled``'s on a graph of ``graph_ops`` ops (0: unknown, the
+    reference graph's factor); ``unknown``: the factor of a label without one (``loop``, ``eager``)."""
+    base = COMPILE_FACTOR.get(label, unknown)
+    if graph_ops <= 0:
+        return base
+    low, high = GRAPH_SCALE_LIMITS
+    scale = min(max(graph_ops / REFERENCE_GRAPH_OPS, low), high)
+    below, above = GRAPH_EXPONENT.get(label, (0.0, 0.0))
+    return base * scale ** (above if scale >= 1.0 else below)
+
+
+def _transforms(label: str) -> set[str]:
+    """What makes ``label``'s compile dearer than a plain trace: ``pfor``, ``xla``, or both."""
+    name, _, flag = label.partition("+")
+    return ({"pfor"} if name in ("vectorized", "per_example") else set()) | ({"xla"} if flag == "xla" else set())
+
+
+def learned_factor(label: str, *, graph_ops: int = 0, learned: Mapping[str, float] | None = None,
+                   unknown: float = UNKNOWN_FACTOR) -> float:
+    """``label``'s factor for this request: the one a plan measured for it (``learned``: label -> measured
+    factor, recorded where a trial's compile exceeded its estimate), else ``compile_factor`` scaled by the
+    largest excess a plan measured for a strategy sharing one of its transforms (an XLA compile that took 3x
+    its estimate makes the other XLA forms' estimates 3x too)."""
+    learned = learned or {}
+    if learned.get(label):
+        return float(learned[label])
+    factor = compile_factor(label, graph_ops, unknown=unknown)
+    excess = [float(f) / compile_factor(other, graph_ops) for other, f in learned.items()
+              if f and _transforms(other) & _transforms(label)]
+    return factor * max([1.0, *excess])
+
+
+def estimated_compile_s(candidate: str, *, known: float | None, incumbent: str, incumbent_compile_s: float,
+                        graph_ops: int = 0, learned: Mapping[str, float] | None = None) -> float:
+    """Seconds to compile ``candidate``: measured before if known, else scaled from the incumbent's by
+    ``learned_factor`` (the graph's size, and what the plan measured)."""
     if known is not None:
         return known
-    base = COMPILE_FACTOR.get(incumbent, 1.0)
-    return incumbent_compile_s * COMPILE_FACTOR.get(candidate, 4.0) / base
+    base = learned_factor(incumbent, graph_ops=graph_ops, learned=learned, unknown=1.0)   # loop, eager: as tiled
+    return incumbent_compile_s * learned_factor(candidate, graph_ops=graph_ops, learned=learned) / base
 
 
 def trial_pays(*, cost_s: float, remaining_s: float, past_work_s: float, gain: float = EXPECTED_GAIN) -> bool:

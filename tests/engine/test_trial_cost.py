@@ -1,0 +1,80 @@
+"""A trial's cost sized by the graph (``tuning.compile_factor``) and learnt from what a trial measured
+(``StrategyRecord.compile_factor``), on a real model and real XLA compiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import models
+from tests.engine.conftest import rand
+from worker.engine import Plan, RunOptions, StrategyRecord, build_problem, load_model, run_problem, tuning
+from worker.engine.trial import learned_factors
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return load_model(str(models.mlp(tmp_path_factory.mktemp("wide") / "mlp", sizes=(64, 256, 256, 64))))
+
+
+def _plan(problem, tiled_compile_s: float, work_s: float) -> Plan:
+    """``tiled`` runs, calibrated (its chunk size settled, so that trials may start after a chunk), with the
+    measured compile given; ``vectorized`` and ``vectorized+xla`` ruled out, so that the one candidate left
+    is ``tiled+xla``."""
+    plan = Plan(strategy="tiled", strategies={
+        "vectorized": StrategyRecord(status="failed", reason="ruled out by the test"),
+        "vectorized+xla": StrategyRecord(status="failed", reason="ruled out by the test")})
+    plan = run_problem(problem, plan=plan, options=RunOptions(refine="never")).learned
+    assert plan.strategy == "tiled" and plan.record("tiled").memory is not None
+    plan.record("tiled").compile_s, plan.work_s = tiled_compile_s, work_s
+    return plan
+
+
+def test_a_large_graph_estimate_holds_back_the_trial_a_small_one_pays_for(wide, monkeypatch):
+    """The same plan and job: on a graph of the reference size the ``tiled+xla`` trial pays (earlier work
+    covers its estimate); with the graph as large as the factors are scaled for, its estimate does not."""
+    problem = build_problem(wide, {"x": rand((32, 64))})
+    ref, large = tuning.REFERENCE_GRAPH_OPS, int(tuning.REFERENCE_GRAPH_OPS * tuning.GRAPH_SCALE_LIMITS[1])
+    at_ref = tuning.estimated_compile_s("tiled+xla", known=None, incumbent="tiled", incumbent_compile_s=1.0,
+                                        graph_ops=ref)
+    at_large = tuning.estimated_compile_s("tiled+xla", known=None, incumbent="tiled", incumbent_compile_s=1.0,
+                                          graph_ops=large)
+    assert at_large > at_ref + 2.0      # room for this job's own seconds and the trial's chunks
+    work_s = (at_ref + at_large) / 2 / tuning.EXPECTED_GAIN
+
+    monkeypatch.setattr(wide, "graph_ops", large)
+    held = run_problem(problem, plan=_plan(problem, 1.0, work_s), ranges=[(0, 256)])
+    assert held.plan["trial"] is None, held.plan
+    assert held.learned.record("tiled+xla").status == "untried"
+
+    monkeypatch.setattr(wide, "graph_ops", ref)
+    tried = run_problem(problem, plan=_plan(problem, 1.0, work_s), ranges=[(0, 256)])
+    assert tried.plan["trial"] is not None and tried.plan["trial"]["candidate"] == "tiled+xla", tried.plan
+    assert tried.learned.strategies["tiled+xla"].status != "untried"
+
+
+def test_a_compile_over_its_estimate_is_learnt_and_kept_with_the_plan(wide, monkeypatch):
+    """A trial whose compile took longer than estimated records the factor that would have predicted it; the
+    plan keeps it through JSON, and the other XLA form's estimate grows with it. The strategy that lost is
+    not tried again by the next job of the plan."""
+    problem = build_problem(wide, {"x": rand((32, 64))})
+    monkeypatch.setattr(wide, "graph_ops", tuning.REFERENCE_GRAPH_OPS)
+    wide.compiled._fns.clear()   # tiled+xla not compiled in this process: its first call is its compile
+    report = run_problem(problem, plan=_plan(problem, 1e-4, 1e6), ranges=[(0, 256)])
+    trial = report.plan["trial"]
+    assert trial is not None and trial["candidate"] == "tiled+xla", report.plan
+    record = report.learned.strategies["tiled+xla"]
+    assert trial["estimated_compile_s"] == pytest.approx(1e-4 * tuning.COMPILE_FACTOR["tiled+xla"], abs=1e-3)
+    assert trial["compile_s"] > trial["estimated_compile_s"]
+    assert record.compile_factor is not None and record.compile_factor > tuning.COMPILE_FACTOR["tiled+xla"]
+    again = Plan.loads(report.learned.dumps())
+    assert learned_factors(again) == {"tiled+xla": record.compile_factor}
+    plain = tuning.estimated_compile_s("vectorized+xla", known=None, incumbent="tiled", incumbent_compile_s=1.0,
+                                       graph_ops=tuning.REFERENCE_GRAPH_OPS)
+    learnt = tuning.estimated_compile_s("vectorized+xla", known=None, incumbent="tiled", incumbent_compile_s=1.0,
+                                        graph_ops=tuning.REFERENCE_GRAPH_OPS, learned=learned_factors(again))
+    assert learnt == pytest.approx(plain * record.compile_factor / tuning.COMPILE_FACTOR["tiled+xla"])
+    # the next job of this plan: nothing left to try (the loser is not tried again)
+    winner = again.strategy
+    nxt = run_problem(problem, plan=again, ranges=[(0, 256)])
+    assert nxt.plan["trial"] is None and nxt.learned.strategies["tiled+xla"].compile_factor == record.compile_factor
+    assert nxt.learned.strategy == winner
