@@ -1,0 +1,81 @@
+"""Host peaks the allocator statistics miss (worker.engine.host_peak): a ``loop`` chunk of an LSTM reads 0 bytes
+by TensorFlow's CPU allocator; a host job records the process's RSS delta (VmHWM) instead, and says so."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import rand
+from worker.engine import RunOptions, TFMemoryProbe, build_problem, load_model, run_problem
+from worker.engine import host_peak
+from worker.engine.host_peak import ResidentPeak
+
+MiB = 1 << 20
+
+
+def linux_peak_or_skip() -> None:
+    """Skip loudly where /proc cannot reset and read the peak resident set (not Linux, a locked-down /proc)."""
+    probe = ResidentPeak()
+    probe.start()
+    if platform.system() != "Linux" or probe.delta() is None:
+        pytest.skip(f"no resettable VmHWM here ({platform.system()}; {host_peak.CLEAR_REFS} not writable or "
+                    f"{host_peak.STATUS} unreadable): the RSS peak cannot be measured")
+
+
+def test_the_resident_peak_sees_memory_touched_and_freed_within_the_span():
+    linux_peak_or_skip()
+    probe = ResidentPeak()
+    probe.start()
+    block = np.ones(64 * MiB, np.uint8)   # 64 MiB, every page touched, freed before the reading
+    del block
+    delta = probe.delta()
+    assert delta is not None and 60 * MiB <= delta <= 200 * MiB, delta
+    probe.start()                          # a new span: the last one's peak is forgotten
+    assert probe.delta() < 32 * MiB
+
+
+def test_unreadable_proc_files_measure_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(host_peak, "CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    probe = ResidentPeak()
+    probe.start()
+    assert probe.delta() is None and not probe.available
+    monkeypatch.setattr(host_peak, "STATUS", str(tmp_path / "status"))
+    (tmp_path / "status").write_text("Name: x\n")
+    assert host_peak.resident_bytes() is None and host_peak.status_bytes("VmHWM") is None
+
+
+@pytest.fixture(scope="module")
+def lstm(tmp_path_factory):
+    """Keras LSTM (not unrolled: a ``While`` op) with a dense head per step: ``x`` (1, 30, 8) -> ``y`` (1, 30, 4)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((30, 8), name="x")
+    h = keras.layers.LSTM(32, return_sequences=True, unroll=False)(x)
+    path = tmp_path_factory.mktemp("lstm") / "lstm"
+    keras.Model(x, {"y": keras.layers.Dense(4)(h)}).export(str(path), verbose=False)
+    return load_model(str(path))
+
+
+def test_a_loop_strategys_peak_is_the_process_rss_delta(lstm):
+    """The allocator reads ~0 for ``loop`` chunks; the plan's peaks are the RSS delta, marked as such, and its
+    memory line is drawn through them (a quote then has a real figure)."""
+    linux_peak_or_skip()
+    problem = build_problem(lstm, {"x": rand((1, 30, 8))})
+    report = run_problem(problem, probe=TFMemoryProbe("CPU:0"), options=RunOptions(strategy="loop"))
+    record = report.learned.record("loop")
+    assert report.rows_computed == problem.rows_total == 120
+    assert record.peak_measure == "process_rss", record
+    assert record.peaks and max(record.peaks.values()) >= 256 * 1024, record.peaks   # 0.1 MiB read before
+    assert record.memory is not None and record.memory(max(record.peaks)) >= max(record.peaks.values())
+    assert report.learned.to_json()["strategies"]["loop"]["peak_measure"] == "process_rss"
+
+
+def test_without_proc_a_loop_run_keeps_the_allocators_figures(lstm, monkeypatch, tmp_path):
+    monkeypatch.setattr(host_peak, "CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    problem = build_problem(lstm, {"x": rand((1, 30, 8))})
+    report = run_problem(problem, probe=TFMemoryProbe("CPU:0"), options=RunOptions(strategy="loop"))
+    assert report.rows_computed == 120 and report.learned.record("loop").peak_measure == "allocator"
