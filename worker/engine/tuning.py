@@ -21,7 +21,7 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   after a job or two.
 - Chunk sizes (``worker.engine.ladder``): from ``FIRST_ROWS``, doubling only while a doubled size,
   timed in interleaved pairs against the size it doubles on the job's own chunks, gives
-  ``ladder.GROWTH_GAIN`` more rows/s (median of the pairs) and its predicted peak (the memory bound
+  ``GROWTH_GAIN`` more rows/s (median of the pairs) and its predicted peak (the memory bound
   through the measured peaks, with ``FIRST_CALL_MARGIN``) fits the limit. A size that does not pay is
   dropped as soon as the pairs say so; no chunk is ever more than twice the largest size timed. A plan's
   kept size is compared with half of it again when a job starts with enough rows to pay for it.
