@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from tests.engine.conftest import rand
-from worker.engine import RunOptions, TFMemoryProbe, build_problem, load_model, run_problem
-from worker.engine import host_peak
+from worker.engine import RunOptions, TFMemoryProbe, build_problem, host_peak, load_model, run_problem
 from worker.engine.host_peak import ResidentPeak
 
 MiB = 1 << 20
