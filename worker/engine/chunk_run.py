@@ -15,7 +15,7 @@ import numpy as np
 
 from worker.engine import tf_logs, tuning
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
-from worker.engine.host_peak import ResidentPeak, resident_bytes
+from worker.engine.host_peak import HostPeaks
 from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
 from worker.engine.memory import MemoryProbe
 from worker.engine.plan import Plan, parse_label
@@ -130,8 +130,7 @@ class ChunkRun:
             "plan_key": plan.key.digest if plan.key else None, "trial": None}
         self.max_rows = self._host_rows_cap(host_reserved_bytes)
         # A host job: peaks the allocator misses are measured by RSS, and growth weighs the process's footprint
-        self.resident = None if getattr(probe, "is_gpu", False) else ResidentPeak()
-        self.footprint = (resident_bytes() or 0) if self.resident is not None else 0
+        self.host = None if getattr(probe, "is_gpu", False) else HostPeaks()
 
     def _host_rows_cap(self, reserved: int) -> int:
         """The most rows a chunk may have: ``MAX_CHUNK_ROWS``, and on a GPU what the host can take of them
@@ -165,8 +164,8 @@ class ChunkRun:
         self.new_size = first or k not in self.problem.model.compiled.sizes(self.key(label))
         fn = chunk_function(self.problem, label)
         self.probe.before_chunk(k)
-        if self.resident is not None:
-            self.resident.start()
+        if self.host is not None:
+            self.host.before(self.plan.record(label), blind=allocator_blind(label), first=first)
         self.probe.reset_peak()
         t0 = time.perf_counter()
         with tf_logs.captured(f"strategy {label}"):   # pfor's and the loop converters' dumps: one line
@@ -178,10 +177,8 @@ class ChunkRun:
         peak, record = int(self.probe.peak_bytes()), self.plan.record(label)
         if peak <= 0 and k * self.problem.layout.row_bytes >= SEEN_BYTES:
             record.peak_unseen = True  # its memory is invisible to the allocator statistics
-        if self.resident is not None and (record.peak_unseen or allocator_blind(label)):
-            rss = self.resident.delta()   # a host job where the allocator misses it: the process's RSS delta
-            if rss is not None:
-                peak, record.peak_measure = max(peak, rss), "process_rss"
+        if self.host is not None:   # where the allocator misses the chunk: the process's RSS delta (host_peak)
+            peak = self.host.after(record, peak, k * self.problem.layout.row_bytes)
         self.peak = max(self.peak, peak)
         self.problem.model.compiled.sizes(self.key(label)).add(k)
         self.rows_run += n
@@ -245,7 +242,7 @@ class ChunkRun:
         timed = set(record.rates)
         called = set(self.problem.model.compiled.sizes(self.key(label)))
         ladder = Ladder(size=tuning.FIRST_ROWS, by_throughput=self.throughput_cap, timed=timed, called=called,
-                        host=self.resident is not None, footprint=self.footprint)
+                        host=self.host is not None, footprint=self.host.footprint if self.host else 0)
         if memory is not None and timed:
             ladder.calibrated = True
             kept = record.preferred_rows if self.throughput_cap else None
