@@ -89,3 +89,27 @@ def test_a_strategy_whose_allocator_peak_is_below_its_own_result_is_measured_by_
     report = run_problem(problem, probe=TFMemoryProbe("CPU:0"), options=RunOptions(strategy="tiled"))
     record = report.learned.record("tiled")
     assert record.peak_measure == "process_rss" and max(record.peaks.values()) >= 256 * 1024, record.peaks
+
+
+class GPUProbe(TFMemoryProbe):
+    """The real probe, said to be a GPU's: no host peaks, no host growth rule."""
+
+    @property
+    def is_gpu(self) -> bool:
+        return True
+
+
+def test_only_host_jobs_measure_rss_and_weigh_memory_in_growth(lstm):
+    from worker.engine.chunk_run import ChunkRun
+    from worker.engine.plan import Plan
+
+    problem = build_problem(lstm, {"x": rand((1, 30, 8))})
+    options = dict(budget=None, chunk_rows=None, throughput_cap=True, refine="never", try_xla=False, pinned=True,
+                   on_plan=None)
+    gpu = ChunkRun(problem, Plan(strategy="loop"), GPUProbe("CPU:0"), **options)
+    assert gpu.host is None and not gpu.ladder("loop").host and gpu.ladder("loop").footprint == 0
+    host = ChunkRun(problem, Plan(strategy="loop"), TFMemoryProbe("CPU:0"), **options)
+    ladder = host.ladder("loop")
+    assert host.host is not None and ladder.host
+    if platform.system() == "Linux":
+        assert ladder.footprint > 50 * MiB   # TensorFlow and the model are resident
