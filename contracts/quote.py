@@ -55,6 +55,11 @@ class Quote(BaseModel):
     result_bytes: int | None = Field(description="bytes of all result arrays; null when only the worker can know")
     passes: Passes
     predicted_peak_bytes: int | None
+    peak_measure: Literal["allocator", "process_rss", "estimate"] | None = Field(
+        None, description="what predicted_peak_bytes counts: TensorFlow's allocator bytes of a chunk; "
+                          "process_rss: the growth of the worker process's resident set over a chunk (VmHWM), "
+                          "measured on a host job where the allocator's statistics miss the memory (the loop "
+                          "strategy, XLA on the CPU); estimate: a guess from the result size")
     predicted_seconds: float | None = Field(
         description="seconds of compute of the whole job on a fresh worker process: the steady chunks "
                     "(predicted_steady_seconds) plus the plan's measured first call (trace, compile) of each chunk "
@@ -307,9 +312,13 @@ def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], 
             peak, secs, k, label = _from_plan(plan, passes.count, batch=batch, chunk_rows=spec.chunk_rows,
                                               budget=budget)
             when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(plan.get("updated_at") or 0)))
+            rss = plan["strategies"][label].get("peak_measure") == "process_rss"
             fields = {"predicted_peak_bytes": peak, "predicted_chunk_rows": k, "strategy": label, "guess": False,
                       "basis": f"persisted plan {plan_name} from {when} ({label}; jobs: {plan.get('jobs', 0)}; on "
-                               f"{(plan.get('key') or {}).get('device', 'a device')})"}
+                               f"{(plan.get('key') or {}).get('device', 'a device')})"
+                               + ("; peak: the process's resident-set growth over a chunk, not allocator bytes"
+                                  if rss else ""),
+                      "peak_measure": "process_rss" if rss else "allocator"}
             timing = _seconds(plan, label, passes.count, k, secs, forced=spec.chunk_rows is not None)
             fields |= {**timing, "basis": fields["basis"] + timing.get("basis", "")}
         except (KeyError, ValueError, TypeError, ZeroDivisionError):
@@ -376,9 +385,11 @@ def _guess(passes: Passes, total: int | None, input_bytes: int, spec: QueuedJob,
         k = min(spec.chunk_rows or MAX_CHUNK_ROWS, bucket_rows(passes.count))
         chunk = total // passes.count * min(k, passes.count)
         return {"predicted_peak_bytes": input_bytes + 2 * chunk, "predicted_seconds": None,
+                "peak_measure": "estimate",
                 "predicted_chunk_rows": min(k, passes.count), "guess": True,
                 "basis": f"{why}: from result size only (inputs + 2 x one chunk of {min(k, passes.count)} rows)"
                          + ("" if had_plan else "; the time is known after a first job")}
     peak = None if total is None else input_bytes + 2 * total
     return {"predicted_peak_bytes": peak, "predicted_seconds": None, "guess": True,
+            "peak_measure": None if peak is None else "estimate",
             "basis": f"{why}: from result size only (inputs + 2 x the result); the time is known after a first job"}

@@ -148,3 +148,19 @@ def test_a_fresh_process_is_quoted_on_the_strategy_that_finishes_first_counting_
     plan.strategies["tiled"].verified = False   # not verified: never chosen
     assert quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json()).predicted_seconds == round(
         q.predicted_steady_seconds + 100.0, 4)
+
+
+def test_a_peak_measured_as_process_rss_is_quoted_as_such():
+    """A host job's ``loop`` chunks escape the allocator's statistics: the plan's peaks are the process's RSS
+    delta (``peak_measure``), and the quote says so instead of passing them off as allocator bytes."""
+    plan = Plan.from_json(_plan(_key()))
+    record = plan.strategies["vectorized"]
+    record.peaks, record.peak_measure = {16: 3 << 20}, "process_rss"
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert q.predicted_peak_bytes == 3 << 20 and q.peak_measure == "process_rss"
+    assert "resident-set growth" in q.basis and "not allocator bytes" in q.basis
+    plain = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=_plan(_key()))
+    assert plain.peak_measure == "allocator" and "resident" not in plain.basis
+    guessed = quote(job(of="y", wrt="x"), SIG, {}, SHAPES)
+    assert guessed.guess and guessed.peak_measure == "estimate"
+    assert StrategyRecord.from_json({}).peak_measure == "allocator"   # plans stored before this field

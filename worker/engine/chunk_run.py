@@ -15,6 +15,7 @@ import numpy as np
 
 from worker.engine import tf_logs, tuning
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
+from worker.engine.host_peak import HostPeaks
 from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
 from worker.engine.memory import MemoryProbe
 from worker.engine.plan import Plan, parse_label
@@ -28,7 +29,7 @@ from worker.engine.planner import (
     plan_chunk,
 )
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import ChunkKey, chunk_function, is_compiled
+from worker.engine.strategies import ChunkKey, allocator_blind, chunk_function, is_compiled
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class ChunkRun:
             "oom_retries": 0, "xla": parse_label(plan.strategy)[1], "source": plan.source,
             "plan_key": plan.key.digest if plan.key else None, "trial": None}
         self.max_rows = self._host_rows_cap(host_reserved_bytes)
+        # A host job: peaks the allocator misses are measured by RSS, and growth weighs the process's footprint
+        self.host = None if getattr(probe, "is_gpu", False) else HostPeaks()
 
     def _host_rows_cap(self, reserved: int) -> int:
         """The most rows a chunk may have: ``MAX_CHUNK_ROWS``, and on a GPU what the host can take of them
@@ -161,6 +164,8 @@ class ChunkRun:
         self.new_size = first or k not in self.problem.model.compiled.sizes(self.key(label))
         fn = chunk_function(self.problem, label)
         self.probe.before_chunk(k)
+        if self.host is not None:
+            self.host.before(self.plan.record(label), blind=allocator_blind(label), first=first)
         self.probe.reset_peak()
         t0 = time.perf_counter()
         with tf_logs.captured(f"strategy {label}"):   # pfor's and the loop converters' dumps: one line
@@ -169,10 +174,12 @@ class ChunkRun:
             out = out[:n]
         rows = np.asarray(out)  # a view of the tensor's buffer on the CPU: no extra copy
         seconds = time.perf_counter() - t0
-        peak = int(self.probe.peak_bytes())
-        self.peak = max(self.peak, peak)
+        peak, record = int(self.probe.peak_bytes()), self.plan.record(label)
         if peak <= 0 and k * self.problem.layout.row_bytes >= SEEN_BYTES:
-            self.plan.record(label).peak_unseen = True  # its memory is invisible to the allocator statistics
+            record.peak_unseen = True  # its memory is invisible to the allocator statistics
+        if self.host is not None:   # where the allocator misses the chunk: the process's RSS delta (host_peak)
+            peak = self.host.after(record, peak, k * self.problem.layout.row_bytes)
+        self.peak = max(self.peak, peak)
         self.problem.model.compiled.sizes(self.key(label)).add(k)
         self.rows_run += n
         return rows, seconds, peak, first
@@ -234,7 +241,8 @@ class ChunkRun:
         memory = record.memory_at(self.batch)
         timed = set(record.rates)
         called = set(self.problem.model.compiled.sizes(self.key(label)))
-        ladder = Ladder(size=tuning.FIRST_ROWS, by_throughput=self.throughput_cap, timed=timed, called=called)
+        ladder = Ladder(size=tuning.FIRST_ROWS, by_throughput=self.throughput_cap, timed=timed, called=called,
+                        host=self.host is not None, footprint=self.host.footprint if self.host else 0)
         if memory is not None and timed:
             ladder.calibrated = True
             kept = record.preferred_rows if self.throughput_cap else None
@@ -243,6 +251,7 @@ class ChunkRun:
                                      largest_timed_rows=max(timed), preferred_rows=kept,
                                      peaks=record.peaks if record.batch in (None, self.batch) else None,
                                      seconds=record.seconds if self.throughput_cap else None)
+            ladder.note_rates(record.rates)
             if kept and kept in record.rates:  # larger sizes the plan timed that did not pay are not tried again
                 ladder.rejected = {k for k, r in record.rates.items()
                                    if k > kept and r < (1 + GROWTH_GAIN) * record.rates[kept]}

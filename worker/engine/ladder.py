@@ -13,6 +13,9 @@ a memory fit is extrapolated at most one doubling past what was measured.
   may be known after two) decides. Load that comes and goes falls on both sides of a pair alike. A job
   too short for every pair leaves them in the plan and the next job goes on (``resume``).
 - Memory-only ladders (``by_throughput=False``) grow after one call of a size while memory allows.
+- A host (CPU) job's ladder (``host``) weighs memory and noise: the bar grows with the memory a doubling
+  adds to the process (``footprint``), the pairs' spread must be cleared, and a doubling the last one says
+  cannot reach its bar is not compared (``worker.engine.tuning``, "Growth on a host job").
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-GROWTH_GAIN = 0.10   # a doubled chunk (twice the memory) must give 10 % more rows/s, on paired timings
+from worker.engine import tuning
+from worker.engine.tuning import GROWTH_GAIN
+
 PAIRS = 3            # pairs in a comparison: the median decides (the majority, often known after two)
 
 
@@ -83,6 +88,9 @@ class Ladder:
     comparison: Comparison | None = None
     growing: bool = True
     calibrated: bool = False   # growth ended by a measurement (a verdict, memory, the cap), or the plan's was
+    host: bool = False         # a host (CPU) job: growth weighs memory and the pairs' spread (tuning)
+    footprint: int = 0         # host: the process's resident bytes at the job's start (0: unknown)
+    last_gain: float | None = None   # host: the gain the last doubling that paid showed beyond its spread
 
     @property
     def largest_timed(self) -> int:
@@ -147,7 +155,7 @@ class Ladder:
                 return            # a large call with no small one before it: not a pair
             c.pairs.append((c.waiting, per_row))
             c.waiting = None
-            verdict = growth_verdict(c.pairs)
+            verdict = self.verdict(c)
             if verdict is None:
                 return
             self.comparison = None
@@ -157,12 +165,50 @@ class Ladder:
                 self.rejected.add(c.large)
                 return
             self.size = c.large
+            self.last_gain = tuning.proven_gain(tuning.pair_gains(c.pairs))
         if self.comparison is None and self.growing and k in (self.size, self.size // 2):
             nxt = 2 * self.size
-            if nxt not in self.rejected and self.size in self.timed and can_grow_to(nxt):
-                self.comparison = Comparison(self.size, nxt)
-            else:
+            if nxt in self.rejected or self.size not in self.timed or not can_grow_to(nxt):
                 self.growing = False
+            elif not self.may_pay(nxt):   # host: the last doubling's gain says this one cannot reach its bar
+                self.growing, self.calibrated = False, True
+            else:
+                self.comparison = Comparison(self.size, nxt)
+
+    def verdict(self, c: Comparison) -> bool | None:
+        """The comparison's verdict so far: the 10 % majority rule, or on a host job ``host_growth_verdict``."""
+        if not self.host:
+            return growth_verdict(c.pairs)
+        return tuning.host_growth_verdict(c.pairs, gain=self.required_gain(c.small, c.large), pairs_needed=PAIRS)
+
+    def required_gain(self, small: int, large: int) -> float:
+        """The gain a doubling from ``small`` to ``large`` must show (host: with the memory it adds)."""
+        if not self.host:
+            return GROWTH_GAIN
+        return tuning.host_growth_gain(self.peaks.get(small, 0), self.predicted_peak(large), self.footprint)
+
+    def predicted_peak(self, k: int) -> float:
+        """``k`` rows' peak: measured in this run, else the line through the two largest measured below it."""
+        if k in self.peaks:
+            return float(self.peaks[k])
+        below = sorted(s for s in self.peaks if s < k)[-2:]
+        if not below:
+            return 0.0
+        if len(below) == 1:
+            return self.peaks[below[0]] * k / below[0]
+        (a, pa), (b, pb) = ((s, self.peaks[s]) for s in below)
+        return max(float(pb), pb + (pb - pa) / (b - a) * (k - b))
+
+    def note_rates(self, rates: dict[int, float]) -> None:
+        """A plan's rows/s per size: the gain of the doubling to ``size``, until this run measures one."""
+        if self.size in rates and rates.get(self.size // 2):
+            self.last_gain = rates[self.size] / rates[self.size // 2] - 1.0
+
+    def may_pay(self, k: int) -> bool:
+        """Host: whether a doubling to ``k`` can reach its bar, as far as the last doubling's gain tells."""
+        if not self.host or self.last_gain is None:
+            return True
+        return tuning.next_doubling_gain(self.last_gain) >= self.required_gain(k // 2, k)
 
     def rates(self) -> dict[int, float]:
         """Rows/s per size timed in this run: the median of its timed calls."""

@@ -98,6 +98,8 @@ class StrategyRecord:
     peak_unseen: bool = False        # its chunks' peaks read 0: the allocator statistics do not see its memory
                                      # (XLA on the CPU), so a memory budget cannot bound it
     comparing: list[Any] | None = None   # an undecided doubling, carried to the next job: [small, large, pairs]
+    peak_measure: str = "allocator"   # what ``peaks`` and ``memory`` count: TensorFlow's "allocator" bytes, or
+                                      # "process_rss" (a host job's VmHWM delta over a chunk, where they miss it)
 
     @property
     def usable(self) -> bool:
@@ -123,7 +125,8 @@ class StrategyRecord:
                    rates={int(k): float(v) for k, v in (data.get("rates") or {}).items()},
                    peaks={int(k): int(v) for k, v in (data.get("peaks") or {}).items()},
                    preferred_rows=data.get("preferred_rows"), batch=data.get("batch"),
-                   peak_unseen=bool(data.get("peak_unseen")), comparing=_comparing(data.get("comparing")))
+                   peak_unseen=bool(data.get("peak_unseen")), comparing=_comparing(data.get("comparing")),
+                   peak_measure=str(data.get("peak_measure") or "allocator"))
 
     def memory_at(self, batch: int | None) -> LinearFit | None:
         """The memory line for ``batch`` examples: scaled up from the batch it was measured at."""

@@ -33,6 +33,14 @@ from worker.engine.problem import Problem, unconnected
 
 BASE_STRATEGIES = ("tiled", "vectorized", "per_example", "loop", "eager")
 BATCHED = ("tiled", "vectorized", "per_example")  # the strategies with an XLA form
+# Row at a time: each allocation is one row's, mostly under the ~128 KiB from which the CPU allocator's
+# statistics count, so they read ~0 (an LSTM's ``loop`` chunks: 0 bytes); a host job measures them by RSS.
+ROW_AT_A_TIME = ("loop", "eager")
+
+
+def allocator_blind(label: str) -> bool:
+    """Whether ``label``'s chunks escape TensorFlow's CPU allocator statistics by construction."""
+    return parse_label(label)[0] in ROW_AT_A_TIME
 
 
 def is_applicable(problem: Problem, strategy: str) -> bool:

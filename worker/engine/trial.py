@@ -274,7 +274,8 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
         sizes = run.problem.model.compiled.sizes(run.key(candidate))
         run.ladders[candidate] = Ladder(size=k_c, by_throughput=run.throughput_cap, timed={*record.rates, k_c},
                                         called=set(sizes), samples={k_c: list(cand_times)},
-                                        peaks={k_c: max(peaks)})
+                                        peaks={k_c: max(peaks)}, host=run.host is not None,
+                                        footprint=run.host.footprint if run.host else 0)
 
 
 def _rows_hold(run: ChunkRun, trial: dict[str, Any], candidate: str, start: int, rows: np.ndarray,

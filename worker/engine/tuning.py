@@ -27,10 +27,13 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   after a job or two.
 - Chunk sizes (``worker.engine.ladder``): from ``FIRST_ROWS``, doubling only while a doubled size,
   timed in interleaved pairs against the size it doubles on the job's own chunks, gives
-  ``ladder.GROWTH_GAIN`` more rows/s (median of the pairs) and its predicted peak (the memory bound
+  ``GROWTH_GAIN`` more rows/s (median of the pairs) and its predicted peak (the memory bound
   through the measured peaks, with ``FIRST_CALL_MARGIN``) fits the limit. A size that does not pay is
   dropped as soon as the pairs say so; no chunk is ever more than twice the largest size timed. A plan's
   kept size is compared with half of it again when a job starts with enough rows to pay for it.
+- On a host (CPU) job growth also weighs memory and noise (``host_growth_gain``, ``host_growth_verdict``,
+  ``next_doubling_gain``, below): beside two CPU hogs the 10 % rule let MobileNetV3Small grow to 128-row
+  chunks, a warm process at 0.96 of the ``tape.jacobian`` script's peak RSS.
 - Batch Jacobians have a third batched strategy, ``per_example`` (pfor over examples of pfor over
   features): the most expensive trace, so its trials come last.
 """
@@ -72,6 +75,61 @@ GRAPH_EXPONENT = {"vectorized": PFOR_EXPONENTS, "per_example": PFOR_EXPONENTS, "
 GRAPH_SCALE_LIMITS = (0.05, 4.0)   # ops / REFERENCE_GRAPH_OPS is held within these: about the range measured
 FALLBACKS = ("vectorized", "loop", "eager")
 SMALL_GRAPH_OPS = 200     # up to this many ops pfor traces in about a second: start with vectorized
+GROWTH_GAIN = 0.10        # a doubled chunk (twice the memory) must give 10 % more rows/s, on paired timings
+
+# Growth on a host (CPU) job. Memory a chunk takes there is memory the other processes of the host do not
+# get, and a loaded host's timings are noisy (under load the fixed cost of a call grows, so larger chunks
+# look better and better while each doubling adds its memory to the whole process). A doubling must:
+# - pay for its memory: rows/s per resident byte of the process must still rise by GROWTH_GAIN, i.e. a gain
+#   of (1 + GROWTH_GAIN) * (1 + added) - 1, ``added`` the larger chunk's extra peak as a share of the
+#   process's footprint with the smaller chunk (resident bytes at the job's start plus its peak). On
+#   MobileNetV3Small ``tiled`` (13 MiB a row in a 1.2 GiB process): 19 % from 8 to 16 rows, 26 % from 16 to
+#   32, 54 % from 64 to 128; on a small model whose chunks are a sliver of the process, 10 % as before.
+# - clear the pairs' own spread: the median of the pairs' gains less half their range must reach that bar
+#   (with two or three pairs about "the worst pair clears it"); noise shows up as spread and stops growth.
+# - be able to pay at all: with a chunk's time ``fixed + per_row * k`` a doubling that gained ``g`` leaves
+#   the next one ``g / (2 - g)`` (the fixed part's share halves; caches only make it less), so a doubling
+#   whose predicted gain is under its bar is not compared: its memory is not spent on a comparison it cannot
+#   win (a comparison's warm-up and pairs run the larger chunk, and the process's peak is theirs).
+# GPU jobs keep the 10 % majority rule: device memory is the job's own, and the run stops where it fits.
+
+
+def host_growth_gain(peak_small: float, peak_large: float, footprint: float, *, gain: float = GROWTH_GAIN) -> float:
+    """The gain in rows/s a host job's doubling must show: ``gain``, scaled by how much the doubled chunk grows
+    the process (``footprint``: resident bytes without any chunk; 0 when unknown: ``gain`` alone)."""
+    if footprint <= 0:
+        return gain
+    added = max(peak_large - peak_small, 0.0) / (footprint + max(peak_small, 0.0))
+    return (1.0 + gain) * (1.0 + added) - 1.0
+
+
+def next_doubling_gain(last_gain: float) -> float:
+    """The most the next doubling can gain after one that gained ``last_gain``, for a chunk time
+    ``fixed + per_row * k`` (a measured gain of 100 % or more says nothing of the next one: 1.0)."""
+    return 1.0 if last_gain >= 1.0 else max(last_gain, 0.0) / (2.0 - max(last_gain, 0.0))
+
+
+def pair_gains(pairs: Iterable[tuple[float, float]]) -> list[float]:
+    """Each ``(small, large)`` pair's per-row seconds as the larger size's gain in rows/s."""
+    return [s / lg - 1.0 for s, lg in pairs if s > 0 and lg > 0]
+
+
+def proven_gain(gains: list[float]) -> float:
+    """What paired gains show beyond their noise: the median less half the range."""
+    return statistics.median(gains) - (max(gains) - min(gains)) / 2 if gains else 0.0
+
+
+def host_growth_verdict(pairs: list[tuple[float, float]], *, gain: float, pairs_needed: int = 3) -> bool | None:
+    """A host job's doubling from interleaved ``(small, large)`` per-row seconds: True once two or more pairs
+    give a median gain less half their range of at least ``gain``; False once a majority of ``pairs_needed``
+    falls short of ``gain``, or all of them are in without a True; None before."""
+    gains = pair_gains(pairs)
+    need = pairs_needed // 2 + 1
+    if sum(1 for g in gains if g < gain) >= need:
+        return False
+    if len(gains) >= 2 and proven_gain(gains) >= gain:
+        return True
+    return False if len(gains) >= pairs_needed else None
 
 
 def default_order(applicable: Iterable[str], similar: str | None = None, *, graph_ops: int = 0,

@@ -1,0 +1,115 @@
+"""Host peaks the allocator statistics miss (worker.engine.host_peak): a ``loop`` chunk of an LSTM reads 0 bytes
+by TensorFlow's CPU allocator; a host job records the process's RSS delta (VmHWM) instead, and says so."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import rand
+from worker.engine import RunOptions, TFMemoryProbe, build_problem, host_peak, load_model, run_problem
+from worker.engine.host_peak import ResidentPeak
+
+MiB = 1 << 20
+
+
+def linux_peak_or_skip() -> None:
+    """Skip loudly where /proc cannot reset and read the peak resident set (not Linux, a locked-down /proc)."""
+    probe = ResidentPeak()
+    probe.start()
+    if platform.system() != "Linux" or probe.delta() is None:
+        pytest.skip(f"no resettable VmHWM here ({platform.system()}; {host_peak.CLEAR_REFS} not writable or "
+                    f"{host_peak.STATUS} unreadable): the RSS peak cannot be measured")
+
+
+def test_the_resident_peak_sees_memory_touched_and_freed_within_the_span():
+    linux_peak_or_skip()
+    probe = ResidentPeak()
+    probe.start()
+    block = np.ones(64 * MiB, np.uint8)   # 64 MiB, every page touched, freed before the reading
+    del block
+    delta = probe.delta()
+    assert delta is not None and 60 * MiB <= delta <= 200 * MiB, delta
+    probe.start()                          # a new span: the last one's peak is forgotten
+    assert probe.delta() < 32 * MiB
+
+
+def test_unreadable_proc_files_measure_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(host_peak, "CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    probe = ResidentPeak()
+    probe.start()
+    assert probe.delta() is None and not probe.available
+    monkeypatch.setattr(host_peak, "STATUS", str(tmp_path / "status"))
+    (tmp_path / "status").write_text("Name: x\n")
+    assert host_peak.resident_bytes() is None and host_peak.status_bytes("VmHWM") is None
+
+
+@pytest.fixture(scope="module")
+def lstm(tmp_path_factory):
+    """Keras LSTM (not unrolled: a ``While`` op) with a dense head per step: ``x`` (1, 30, 8) -> ``y`` (1, 30, 4)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((30, 8), name="x")
+    h = keras.layers.LSTM(32, return_sequences=True, unroll=False)(x)
+    path = tmp_path_factory.mktemp("lstm") / "lstm"
+    keras.Model(x, {"y": keras.layers.Dense(4)(h)}).export(str(path), verbose=False)
+    return load_model(str(path))
+
+
+def test_a_loop_strategys_peak_is_the_process_rss_delta(lstm):
+    """The allocator reads ~0 for ``loop`` chunks; the plan's peaks are the RSS delta, marked as such, and its
+    memory line is drawn through them (a quote then has a real figure)."""
+    linux_peak_or_skip()
+    problem = build_problem(lstm, {"x": rand((1, 30, 8))})
+    report = run_problem(problem, probe=TFMemoryProbe("CPU:0"), options=RunOptions(strategy="loop"))
+    record = report.learned.record("loop")
+    assert report.rows_computed == problem.rows_total == 120
+    assert record.peak_measure == "process_rss", record
+    # every size, not only a first call that traced: the heap is trimmed before each chunk (0.1 MiB read before)
+    assert record.peaks and min(record.peaks.values()) >= 256 * 1024, record.peaks
+    assert record.memory is not None and record.memory(max(record.peaks)) >= max(record.peaks.values())
+    assert report.learned.to_json()["strategies"]["loop"]["peak_measure"] == "process_rss"
+
+
+def test_without_proc_a_loop_run_keeps_the_allocators_figures(lstm, monkeypatch, tmp_path):
+    monkeypatch.setattr(host_peak, "CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    problem = build_problem(lstm, {"x": rand((1, 30, 8))})
+    report = run_problem(problem, probe=TFMemoryProbe("CPU:0"), options=RunOptions(strategy="loop"))
+    assert report.rows_computed == 120 and report.learned.record("loop").peak_measure == "allocator"
+
+
+def test_a_strategy_whose_allocator_peak_is_below_its_own_result_is_measured_by_rss(lstm):
+    """``tiled`` on the LSTM: its chunks' allocations are each under the allocator's counting threshold, so the
+    first chunk reads less than the rows it returns; from the next chunk on the plan records RSS deltas."""
+    linux_peak_or_skip()
+    problem = build_problem(lstm, {"x": rand((1, 30, 8))})
+    report = run_problem(problem, probe=TFMemoryProbe("CPU:0"), options=RunOptions(strategy="tiled"))
+    record = report.learned.record("tiled")
+    assert record.peak_measure == "process_rss" and max(record.peaks.values()) >= 256 * 1024, record.peaks
+
+
+class GPUProbe(TFMemoryProbe):
+    """The real probe, said to be a GPU's: no host peaks, no host growth rule."""
+
+    @property
+    def is_gpu(self) -> bool:
+        return True
+
+
+def test_only_host_jobs_measure_rss_and_weigh_memory_in_growth(lstm):
+    from worker.engine.chunk_run import ChunkRun
+    from worker.engine.plan import Plan
+
+    problem = build_problem(lstm, {"x": rand((1, 30, 8))})
+    options = dict(budget=None, chunk_rows=None, throughput_cap=True, refine="never", try_xla=False, pinned=True,
+                   on_plan=None)
+    gpu = ChunkRun(problem, Plan(strategy="loop"), GPUProbe("CPU:0"), **options)
+    assert gpu.host is None and not gpu.ladder("loop").host and gpu.ladder("loop").footprint == 0
+    host = ChunkRun(problem, Plan(strategy="loop"), TFMemoryProbe("CPU:0"), **options)
+    ladder = host.ladder("loop")
+    assert host.host is not None and ladder.host
+    if platform.system() == "Linux":
+        assert ladder.footprint > 50 * MiB   # TensorFlow and the model are resident
