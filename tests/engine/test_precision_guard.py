@@ -189,3 +189,17 @@ def test_the_request_takes_precision_auto():
     assert JobOptions(precision="auto").precision == "auto"
     with pytest.raises(ValidationError, match="precision"):
         JobOptions(precision="float64")
+
+
+def test_auto_with_several_shards_is_refused_naming_shards():
+    """A float64 recompute is of the whole job: ``auto`` runs in one piece (sharded jobs get the estimate from the
+    finalizer, ``tests/integration/test_shards.py``)."""
+    from pydantic import ValidationError
+
+    from contracts.jobspec import JobOptions
+
+    assert JobOptions(precision="auto", shards=1).shards == 1
+    assert JobOptions(precision="highest", shards=3).shards == 3
+    with pytest.raises(ValidationError, match="shards: precision 'auto' computes a job in one piece") as err:
+        JobOptions(precision="auto", shards=3)
+    assert "set shards to 1 or null" in str(err.value)
