@@ -302,6 +302,10 @@ class JobOptions(BaseModel):
                              f"use one of {', '.join(STORABLE_DTYPES)}")
         if self.sparsity is not None:
             self._check_sparsity()
+        if self.precision == "auto" and self.shards not in (None, 1):
+            raise ValueError(f"shards: precision 'auto' computes a job in one piece (its float64 recompute is of the "
+                             f"whole job); set shards to 1 or null, or precision to 'highest' (sharded jobs record "
+                             f"the estimate too), not shards={self.shards}")
         return self
 
     def _check_curvature(self) -> None:

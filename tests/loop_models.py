@@ -97,10 +97,36 @@ def oscillators(path: Path, *, n: int = 6, steps: int = 10, dt: float = 0.1, rea
     return path
 
 
-def resize(path: Path, *, side: int = 3, out: int = 4) -> Path:
-    """A ``tf.Module`` where forward mode and second derivatives fail without a loop, reverse mode works: bilinear
-    resizing (TensorFlow 2.21 registers no gradient for ``ResizeBilinearGrad``), then ``tanh`` of a Dense layer:
-    ``x`` (None, side, side, 1) float32 -> ``y`` (None, out)."""
+def crop(path: Path, *, side: int = 3, out: int = 4) -> Path:
+    """A ``tf.Module`` where forward mode and second derivatives fail without a loop, reverse mode works:
+    ``tf.image.crop_and_resize`` of the whole image to twice its side (TensorFlow 2.21 registers no gradient for
+    ``CropAndResizeGradImage``), then ``tanh`` of a Dense layer: ``x`` (None, side, side, 1) float32 -> ``y``
+    (None, out). (Bilinear resizing was this model until ``worker.engine.resize_grads`` made it differentiable.)"""
+    import tensorflow as tf
+
+    w0 = np.random.default_rng(5).standard_normal((4 * side * side, out)).astype("float32") / side
+
+    class Crop(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = tf.Variable(w0, name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, side, side, 1], tf.float32, name="x")])
+        def __call__(self, x):
+            n = tf.shape(x)[0]
+            boxes = tf.tile(tf.constant([[0.0, 0.0, 1.0, 1.0]]), [n, 1])
+            up = tf.image.crop_and_resize(x, boxes, tf.range(n), [2 * side, 2 * side])
+            return {"y": tf.tanh(tf.matmul(tf.reshape(up, [-1, 4 * side * side]), self.w))}
+
+    m = Crop()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
+def resize(path: Path, *, side: int = 3, out: int = 4, method: str = "bilinear") -> Path:
+    """Image resizing (``method``: bilinear, bicubic, nearest), then ``tanh`` of a Dense layer: ``x`` (None, side,
+    side, 1) float32 -> ``y`` (None, out). TensorFlow 2.21 alone gives zero second derivatives and forward-mode
+    JVPs through the bilinear resize and none through the others (``worker.engine.resize_grads``)."""
     import tensorflow as tf
 
     w0 = np.random.default_rng(5).standard_normal((4 * side * side, out)).astype("float32") / side
@@ -112,7 +138,7 @@ def resize(path: Path, *, side: int = 3, out: int = 4) -> Path:
 
         @tf.function(input_signature=[tf.TensorSpec([None, side, side, 1], tf.float32, name="x")])
         def __call__(self, x):
-            up = tf.image.resize(x, [2 * side, 2 * side], method="bilinear")
+            up = tf.image.resize(x, [2 * side, 2 * side], method=method)
             return {"y": tf.tanh(tf.matmul(tf.reshape(up, [-1, 4 * side * side]), self.w))}
 
     m = Resize()

@@ -2,7 +2,7 @@
 ``tf.while_loop``, both reading a captured variable in the loop body. ``jvp`` and ``svd`` equal ``J v`` and numpy's svd
 of the Jacobian from GradientTape (rows by reverse mode, no pfor); with the loop's handle data restored
 (``worker.engine.loop_handles``) the GRU's products run in a ``tf.function``, not eagerly. Where forward mode and
-second derivatives still fail (bilinear resizing: no gradient of ``ResizeBilinearGrad``) ``reverse/rows`` answers,
+second derivatives still fail (``crop_and_resize``: no gradient of ``CropAndResizeGradImage``) ``reverse/rows`` answers,
 and refusals that remain name the fix; TensorFlow's own error dumps stay out of the log (``worker.engine.tf_logs``)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ EAGER_OR_ROWS = ("reverse/eager", "reverse/rows")
 def loop_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("loops")
     paths = {"gru": loop_models.gru(root / "gru"), "rk4": loop_models.rk4(root / "rk4"),
-             "resize": loop_models.resize(root / "resize")}
+             "crop": loop_models.crop(root / "crop")}
     return loader(paths)
 
 
@@ -98,15 +98,15 @@ def test_jvp_on_the_rk4_integrator_equals_tape_jacobian_times_v(loop_model, wrt)
 
 
 def test_rows_route_is_chosen_where_forward_mode_fails_and_each_failure_is_one_log_line(loop_model, caplog):
-    """On bilinear resizing every other label fails; each failure is one INFO line from the engine, none of
+    """On crop_and_resize every other label fails; each failure is one INFO line from the engine, none of
     TensorFlow's own records reaches the log, and the J kept by reverse/rows serves the next calls (J v and u^T J)
     without more VJPs through TensorFlow."""
-    op = operator(loop_model("resize"))
+    op = operator(loop_model("crop"))
     seeds = np.random.default_rng(4).standard_normal((2, op.n_wrt)).astype("float32")
     with caplog.at_level(logging.INFO):
         op.jvp(seeds)
     if op.labels["jvp"] != "reverse/rows":
-        pytest.fail(f"forward mode or the derivative of a VJP worked on bilinear resizing ({op.labels}): the test "
+        pytest.fail(f"forward mode or the derivative of a VJP worked on crop_and_resize ({op.labels}): the test "
                     "model no longer shows the failure reverse/rows answers")
     assert not [r for r in caplog.records if r.name.startswith("tensorflow")]
     failed = [r.getMessage() for r in caplog.records if r.name == "worker.engine.matfree" and " failed: " in
@@ -130,14 +130,14 @@ def test_rows_route_is_chosen_where_forward_mode_fails_and_each_failure_is_one_l
 def test_a_refusal_names_the_fix(loop_model):
     from worker.engine.errors import NotDifferentiable
 
-    op = operator(loop_model("resize"))
+    op = operator(loop_model("crop"))
     op.plan_memory(None, budget_bytes=100)   # J takes 8 x 18 x 4 = 576 bytes
     with pytest.raises(NotDifferentiable) as err:
         op.jvp(np.ones((1, op.n_wrt), "float32"))
     assert err.value.field == "memory_budget_bytes"
     assert "set memory_budget_bytes to at least 576" in str(err.value), str(err.value)
 
-    forward = operator(loop_model("resize"), routes={"jvp": "forward"})
+    forward = operator(loop_model("crop"), routes={"jvp": "forward"})
     with pytest.raises(NotDifferentiable) as err:
         forward.jvp(np.ones((1, forward.n_wrt), "float32"))
     assert err.value.field == "mode" and "use mode 'auto' or 'reverse'" in str(err.value), str(err.value)

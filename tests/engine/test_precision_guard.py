@@ -189,3 +189,36 @@ def test_the_request_takes_precision_auto():
     assert JobOptions(precision="auto").precision == "auto"
     with pytest.raises(ValidationError, match="precision"):
         JobOptions(precision="float64")
+
+
+def test_auto_with_several_shards_is_refused_naming_shards():
+    """A float64 recompute is of the whole job: ``auto`` runs in one piece (sharded jobs get the estimate from the
+    finalizer, ``tests/integration/test_shards.py``)."""
+    from pydantic import ValidationError
+
+    from contracts.jobspec import JobOptions
+
+    assert JobOptions(precision="auto", shards=1).shards == 1
+    assert JobOptions(precision="highest", shards=3).shards == 3
+    with pytest.raises(ValidationError, match="shards: precision 'auto' computes a job in one piece") as err:
+        JobOptions(precision="auto", shards=3)
+    assert "set shards to 1 or null" in str(err.value)
+
+
+def test_a_keras_lstm_gets_its_estimate_after_the_job_differentiated_its_loop(tmp_path):
+    """A gradient through ``while_v2`` rewrites the forward ``While`` op (accumulator outputs), after which the
+    frozen graph did not import ("... was passed float from .../while:7 incompatible with expected resource"); the
+    copy is then made from a fresh load: the estimate is a number, not "unavailable"."""
+    import keras
+
+    from worker.engine import load_model
+
+    keras.utils.set_random_seed(3)
+    x = keras.Input((6, 3), name="x")
+    net = keras.Model(x, {"y": keras.layers.Dense(2)(keras.layers.LSTM(4, return_sequences=True)(x))})
+    net.export(str(tmp_path / "lstm"), verbose=False)
+    model = load_model(str(tmp_path / "lstm"))
+    seq = np.random.default_rng(2).standard_normal((1, 6, 3)).astype("float32")
+    manifest, _, attrs = run(model, {"x": seq}, tmp_path / "out", of="y", wrt="x")
+    assert manifest["precision_probes"] == 3, manifest["precision_method"]
+    assert 0 < manifest["precision_error"] < 1e-5 and attrs["precision_error"] == manifest["precision_error"]

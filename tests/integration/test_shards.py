@@ -243,6 +243,9 @@ def test_sharded_results_equal_unsharded_bitwise_with_two_workers(pool):
         assert rq_job(pool.conn, finalizer_job_id(rec.id)).get_status() == RqStatus.FINISHED
         manifest = json.loads((pool.results / rec.id / "manifest.json").read_text())
         assert manifest["rows"] == [0, plan["rows_total"]] and manifest["plan"]["shards"] == n
+        # the finalizer's precision estimate over the whole result (float64 probes), as a job in one piece has
+        assert manifest["precision_probes"] == 3 and 0 <= manifest["precision_error"] < 1e-5, manifest
+        assert rec.result.precision_error == manifest["precision_error"]
         assert len(os.listdir(pool.results / rec.id / "committed")) == manifest["blocks"] >= n
     assert len(workers_seen) == 2, workers_seen  # both workers computed shards
 

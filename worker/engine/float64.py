@@ -53,8 +53,20 @@ def _built(model: LoadedModel) -> LoadedModel | Float64Unavailable:
     except Float64Unavailable as err:
         return err
     except Exception as err:  # noqa: BLE001 - any failure to convert is a reason, never a failed job
+        first = err
+    # A gradient taken through a ``while_v2`` loop (a Keras LSTM, GRU) rewrites the forward ``While`` op in place to
+    # output its accumulators, and the frozen graph no longer imports ("Input 0 of node .../output/_14 was passed
+    # float from .../while:7 incompatible with expected resource"): the job's own products come first, so convert
+    # the graph of a fresh load of the same model, which no gradient has touched.
+    try:
+        from worker.engine.model import load_model
+
+        return _convert(load_model(model.path, model.signature))
+    except Float64Unavailable as err:
+        return err
+    except Exception:  # noqa: BLE001 - the first failure is the one to report
         return Float64Unavailable(f"float64 probe unavailable: the model could not be converted to float64 "
-                                  f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})")
+                                  f"({type(first).__name__}: {str(first).splitlines()[0][:200] if str(first) else ''})")
 
 
 def _convert(model: LoadedModel) -> LoadedModel:

@@ -108,9 +108,10 @@ def load_model(path: str, signature: str = "serving_default", *, origin: str | N
     prepare_gpus()
     import tensorflow as tf
 
-    from worker.engine import loop_handles
+    from worker.engine import loop_handles, resize_grads
 
     loop_handles.install()   # second derivatives through loops that read a captured variable
+    resize_grads.install()   # second derivatives (and forward mode) through image resizing
 
     if str(path).endswith(".keras") and Path(path).is_file():
         from worker.engine.keras_model import load_keras_model

@@ -19,7 +19,8 @@ the reason as its method. With ``precision: "auto"`` the tolerance is the reques
 one) or ``DEFAULT_TOL`` of the model's output dtype; above it the job is computed again on the float64 model,
 stored in the first result's dtype, and ``precision_promoted`` says so (``precision_error`` is then the promoted
 result's estimate, ``precision_error_before`` the first one's). When the model cannot run in float64 the job
-succeeds with its result and ``warning`` says so. Sharded jobs (several shards) record no estimate.
+succeeds with its result and ``warning`` says so. A sharded job's finalizer estimates the whole result
+(``guarded_finish``); ``auto`` jobs are not split (POST refuses ``shards`` > 1 with ``auto``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,16 @@ def run_guarded(executor: Executor, ctx: RunContext) -> dict[str, Any]:
     """``executor.run(ctx)`` and its error estimate (and, ``precision: "auto"``, its promotion): the manifest with
     the precision fields, which are written to the stored manifest and the group's attributes too. An estimate that
     fails is recorded as such (never failing the job); a float64 computation that fails fails the job."""
-    manifest = executor.run(ctx)
+    return _guarded(ctx, executor.run(ctx))
+
+
+def guarded_finish(executor: Executor, ctx: RunContext, writer: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """A sharded job's ``executor.finish`` (the finalizer, every shard's rows stored) and the same estimate over
+    the whole result. No promotion: a ``precision: "auto"`` job is never split."""
+    return _guarded(ctx, executor.finish(ctx, writer, plan))
+
+
+def _guarded(ctx: RunContext, manifest: dict[str, Any]) -> dict[str, Any]:
     try:
         first, fields, ctx64 = _estimated(ctx, manifest)
     except Exception as err:  # noqa: BLE001 - the estimate never fails a job that computed its result

@@ -9,7 +9,8 @@ from typing import Any
 from contracts.jobspec import JobStatus, shard_job_id
 from contracts.jobstore import JobNotFound, JobRecord
 from contracts.records import ErrorInfo, PlanInfo, Progress, dump
-from worker.execution import RunContext, executor_for
+from worker.execution import executor_for
+from worker.execution.precision import guarded_finish
 from worker.runs.attempt import remove_partial, result_of
 from worker.runs.computing import ComputingAttempt
 from worker.sharding import ShardPlan
@@ -18,15 +19,11 @@ from worker.storage import ResultWriter
 log = logging.getLogger(__name__)
 
 
-def _no_model() -> Any:
-    raise RuntimeError("the finalizer loads no model and no inputs")
-
-
 class Finalizer(ComputingAttempt):
     """The last rq job of a sharded job: once every shard has finished or failed, it writes the
     manifest and marks the job succeeded if every storage block is committed; otherwise it marks the
-    job failed (naming the shard) and removes the partial result. It needs no model or TensorFlow,
-    unless the executor's ``finish`` does (``finish_loads_model``: a sparse job's verification)."""
+    job failed (naming the shard) and removes the partial result. It loads the model for the result's precision
+    estimate (float64 probes, as a job in one piece records) and a sparse job's verification."""
 
     what = "finalizer"
 
@@ -68,12 +65,10 @@ class Finalizer(ComputingAttempt):
         # The job's plan is the planner's (strategy, mode, shards); each shard's own run plan (chunk rows,
         # memory) is listed beside it, in shard order: no shard's plan stands for the others.
         plan = {**dump(record.plan), "shard_plans": [shards[i].get("plan") or {} for i in sorted(shards)]}
-        if executor.finish_loads_model:
-            ctx = self.run_context(created_at=record.created_at, on_progress=lambda p: None, on_plan=lambda p: None,
-                                   should_stop=lambda: store.should_stop(job.id))
-        else:
-            ctx = RunContext(job=job, load_inputs=_no_model, load_model=_no_model, created_at=record.created_at)
-        manifest = executor.finish(ctx, writer, plan)
+        # The model is loaded for a sparse job's verification and for the precision estimate (float64 probes).
+        ctx = self.run_context(created_at=record.created_at, on_progress=lambda p: None, on_plan=lambda p: None,
+                               should_stop=lambda: store.should_stop(job.id))
+        manifest = guarded_finish(executor, ctx, writer, plan)
         plan = manifest.get("plan") or plan   # the products summed over the shards, for a product job
         result = result_of(manifest)
         now = time.time()

@@ -68,7 +68,8 @@ class JobRun(ComputingAttempt):
                                on_progress=lambda p: store.set_fields(job.id, progress=at_least(p, reported)),
                                should_stop=lambda: store.should_stop(job.id))  # cancel, or ended elsewhere
         executor = executor_for(job)
-        split = executor.split(ctx, self)
+        # precision 'auto' may compute the job again in float64: the job is one piece (POST refuses shards > 1)
+        split = None if job.precision == "auto" else executor.split(ctx, self)
         if split is not None:
             return self._fan_out(split)
         return self._succeed(run_guarded(executor, ctx))
