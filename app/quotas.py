@@ -48,7 +48,10 @@ PENDING_S = 900.0
 """An admitted job whose record is not written yet (its inputs are being stored) counts as queued for this long;
 after it, an id without a record is dropped (an API process that died between admission and record)."""
 JOB_SLOT_RETRY_AFTER_S = 30
-"""Retry-After of a job-count refusal when no running job of the key has an ETA."""
+"""Retry-After of a job-count refusal when no running job of the key has an ETA and none of its jobs has ended
+lately (else the key's recent job time, at most this)."""
+JOB_TIME_WEIGHT = 0.3
+"""Weight of an ended job's running time in the key's moving average of job times."""
 _DAY_KEY_TTL_S = 3 * 86400
 
 # KEYS: the key's jobs set, its bytes counter of today. ARGV: job id, now, pending_s, max_concurrent, max_queued,
@@ -113,6 +116,16 @@ class JobCounts:
     queued: int = 0
     running: int = 0
     etas_s: list[float] = field(default_factory=list)
+    job_s: float | None = None   # the key's recent job running time (moving average), None before one ended
+
+    def retry_after_s(self) -> int:
+        """When a job slot should be free: the shortest ETA of a running job, else the key's recent job time (at
+        most ``JOB_SLOT_RETRY_AFTER_S``: 0.2 s jobs do not make a client wait 30 s), else that default."""
+        if self.etas_s:
+            return max(1, min(3600, math.ceil(min(self.etas_s))))
+        if self.job_s is not None:
+            return max(1, min(JOB_SLOT_RETRY_AFTER_S, math.ceil(self.job_s)))
+        return JOB_SLOT_RETRY_AFTER_S
 
 
 class Quotas:
@@ -121,6 +134,7 @@ class Quotas:
     jobs_key_template = "jacobian:quota:{name}:jobs"
     bytes_key_template = "jacobian:quota:{name}:bytes:{day}"
     bucket_key_template = "jacobian:quota:{name}:bucket"
+    job_s_key_template = "jacobian:quota:{name}:job_s"
 
     def __init__(self, connection: Redis, *, clock: Callable[[], float] = time.time) -> None:
         self.connection = connection
@@ -138,11 +152,12 @@ class Quotas:
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id, _ in members:
                 pipe.hmget(JobStore.job_key_template.format(id=job_id.decode()),
-                           ["status", "result", "finished_at", "progress"])
-            rows = pipe.execute()
-        counts = JobCounts()
+                           ["status", "result", "finished_at", "progress", "started_at"])
+            pipe.get(self.job_s_key_template.format(name=name))
+            *rows, job_s = pipe.execute()
+        counts = JobCounts(job_s=float(job_s) if job_s else None)
         ended = self.connection.pipeline(transaction=False)
-        for (job_id, admitted_at), (status, result, finished_at, progress) in zip(members, rows):
+        for (job_id, admitted_at), (status, result, finished_at, progress, started_at) in zip(members, rows):
             if (status is None and admitted_at > now - PENDING_S) or status == b"queued":
                 counts.queued += 1
                 continue
@@ -158,6 +173,11 @@ class Quotas:
                     size = result_bytes(ResultInfo.model_validate_json(result))
                 except ValidationError as exc:  # a bug of the record's writer: counted as 0, said once
                     log.warning("job %s: result record unreadable, its bytes not counted: %s", job_id.decode(), exc)
+            if started_at and finished_at and float(finished_at) >= float(started_at):
+                took = float(finished_at) - float(started_at)
+                counts.job_s = took if counts.job_s is None else (
+                    JOB_TIME_WEIGHT * took + (1 - JOB_TIME_WEIGHT) * counts.job_s)
+                ended.set(self.job_s_key_template.format(name=name), repr(counts.job_s), ex=_DAY_KEY_TTL_S)
             day = utc_day(float(finished_at) if finished_at else now)
             self._settle(keys=[jobs_key, self.bytes_key_template.format(name=name, day=day)],
                          args=[job_id, size, _DAY_KEY_TTL_S], client=ended)
@@ -186,7 +206,7 @@ class Quotas:
         else:
             what = "queued or running" if limit == CONCURRENT else "waiting for a worker"
             setting = "MAX_CONCURRENT" if limit == CONCURRENT else "MAX_QUEUED"
-            retry_s = max(1, min(3600, math.ceil(min(counts.etas_s)))) if counts.etas_s else JOB_SLOT_RETRY_AFTER_S
+            retry_s = counts.retry_after_s()
             why = (f"the key has {usage} jobs {what}, its limit is {max_} (JACOBIAN_QUOTA_{setting} or the key's "
                    f"quotas.max_{limit}); wait for one to end (or cancel one) and retry")
         raise self._refused(name, limit, usage, max_, retry_s, why)

@@ -93,6 +93,28 @@ def test_queued_limit_refuses_with_429_and_queues_nothing(make_client, redis_con
     assert len(JobStore(redis_conn).list()) == 2
 
 
+def test_retry_after_without_an_eta_is_the_keys_recent_job_time(make_client, redis_conn):
+    """Short jobs and no running one to take an ETA from: Retry-After is the key's recent job running time (a
+    moving average of its ended jobs'), not 30 s; never over 30 s."""
+    client = make_client(QUOTA_MAX_QUEUED="1")
+    store = JobStore(redis_conn, ttl_s=3600)
+    first = post(client).json()["id"]
+    now = time.time()
+    assert store.transition(first, JobStatus.running, started_at=now - 4.2)
+    assert store.transition(first, JobStatus.succeeded, finished_at=now,
+                            result=ResultInfo(uri=f"file:///r/{first}", shape=[2, 8], dtype="float32"))
+    second = post(client)
+    assert second.status_code == 202, second.text   # the first ended: its slot is free, its 4.2 s remembered
+    r = post(client)
+    assert_refused(r, "queued", 1, 1)
+    assert r.headers["retry-after"] == "5", r.headers   # ceil(4.2)
+    assert store.transition(second.json()["id"], JobStatus.running, started_at=now - 100)
+    assert store.transition(second.json()["id"], JobStatus.failed, finished_at=now,
+                            error=ErrorInfo(type="X", message="x"))
+    post(client)   # settles the failed one: 0.3 x 100 + 0.7 x 4.2 = 32.9 s, held to 30
+    assert post(client).headers["retry-after"] == "30"
+
+
 def test_concurrent_limit_counts_queued_and_running_and_ends_free_slots(make_client, redis_conn):
     client = make_client(QUOTA_MAX_CONCURRENT="3")
     store = JobStore(redis_conn, ttl_s=3600)
