@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from tests.ladder_drive import drive as drive_sizes
 from worker.engine.ladder import Ladder
 from worker.engine.tuning import (
-    FIRST_ROWS,
     GROWTH_GAIN,
     host_growth_gain,
     host_growth_verdict,
@@ -24,22 +25,10 @@ MOBILENET_PEAK = (5 * MiB, 13 * MiB)
 MOBILENET_FOOTPRINT = 1230 * MiB
 
 
-def drive(ladder: Ladder, seconds_of: Callable[[int, int], float], chunks: int, *,
-          peak_of: Callable[[int], float] = lambda k: MOBILENET_PEAK[0] + MOBILENET_PEAK[1] * k,
-          can_grow_to: Callable[[int], bool] = lambda k: True) -> list[int]:
-    """Run ``chunks`` chunks as the engine does (a size's first call is its untimed warm-up); the sizes run.
-    Every chunk is checked against the rule: at most twice the largest size timed before it."""
-    sizes: list[int] = []
-    timed_before = set(ladder.timed)
-    for i in range(chunks):
-        k = ladder.next_size()
-        assert k <= max(FIRST_ROWS, 2 * max(timed_before, default=0)), (k, sorted(timed_before), sizes)
-        warm = k in ladder.called
-        ladder.observe(k, seconds_of(k, i), int(peak_of(k)), warm=warm, can_grow_to=can_grow_to)
-        if warm:
-            timed_before.add(k)
-        sizes.append(k)
-    return sizes
+def drive(ladder: Ladder, seconds_of: Callable[[int, int], float], chunks: int, **options: Any) -> list[int]:
+    """``tests.ladder_drive.drive`` with MobileNetV3Small's peaks unless ``peak_of`` is given."""
+    options.setdefault("peak_of", lambda k: MOBILENET_PEAK[0] + MOBILENET_PEAK[1] * k)
+    return drive_sizes(ladder, seconds_of, chunks, **options)
 
 
 def loaded(fixed: float = 0.25, per_row: float = 0.012, sigma: float = 0.0,
