@@ -74,6 +74,9 @@ class Settings(BaseSettings):
         default_factory=list, description="accepted bearer keys: comma-separated, or a JSON list of keys and "
         '{"key", "name", "webhook_secret", "quotas"} objects; empty: no auth')
     memory_budget_bytes: int | None = None
+    precision_probes: int = Field(3, ge=0, le=64, description="float64 probes of every result's error estimate "
+                                  "(README 'Precision'); 0: no estimate, and precision 'auto' warns that it could "
+                                  "not check")
     queue_name: str = "jacobian"
     max_body_bytes: int = 256 * 1024 * 1024
     max_json_body_bytes: int = Field(4 * 1024 * 1024, description="a JSON body costs 8 to 25 times its size "

@@ -222,3 +222,22 @@ def test_a_keras_lstm_gets_its_estimate_after_the_job_differentiated_its_loop(tm
     manifest, _, attrs = run(model, {"x": seq}, tmp_path / "out", of="y", wrt="x")
     assert manifest["precision_probes"] == 3, manifest["precision_method"]
     assert 0 < manifest["precision_error"] < 1e-5 and attrs["precision_error"] == manifest["precision_error"]
+
+
+def test_the_operator_sets_the_probes_and_zero_turns_the_estimate_off(built, tmp_path, monkeypatch):
+    from contracts.settings import get_settings
+
+    monkeypatch.setenv("JACOBIAN_PRECISION_PROBES", "5")
+    get_settings.cache_clear()
+    try:
+        manifest, _, _ = run(built["cancelling"], {"x": X}, tmp_path / "five", of="y")
+        assert manifest["precision_probes"] == 5 and manifest["precision_error"] > 0
+        monkeypatch.setenv("JACOBIAN_PRECISION_PROBES", "0")
+        get_settings.cache_clear()
+        manifest, _, attrs = run(built["cancelling"], {"x": X}, tmp_path / "off", of="y", precision="auto")
+        assert manifest["precision_probes"] == 0 and "precision_error" not in attrs
+        assert manifest["precision_method"] == "no estimate: JACOBIAN_PRECISION_PROBES=0"
+        assert "could not check the result" in manifest["warning"] and not manifest.get("precision_promoted")
+    finally:
+        monkeypatch.delenv("JACOBIAN_PRECISION_PROBES")
+        get_settings.cache_clear()

@@ -2,7 +2,8 @@
 "auto"`` computes the job again in float64 when the estimate exceeds the tolerance.
 
 ``run_guarded(executor, ctx)`` runs the job (``Executor.run``), then estimates (``estimate``): the model evaluated in
-float64 (``worker.engine.float64``) gives ``PROBES`` products, seeded, that are compared with the result:
+float64 (``worker.engine.float64``) gives ``probes()`` products (``JACOBIAN_PRECISION_PROBES``, default 3), seeded,
+that are compared with the result:
 
 - dense kinds (``jacobian``, ``batch_jacobian``, ``hessian``; dense, several ``wrt`` or COO): random rows of the
   stored matrix against the same rows in float64 (one-hot VJPs, or HVPs for a Hessian);
@@ -41,7 +42,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROBES = 3            # products per estimate
+
+
+def probes() -> int:
+    """Products per estimate: ``JACOBIAN_PRECISION_PROBES`` (0: the operator turned the estimate off)."""
+    from contracts.settings import get_settings
+
+    return get_settings().precision_probes
+
 PROBE_SEED = 27       # the probes' rows, products and seeds
 DEFAULT_TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}   # "auto"'s tolerance when the request has no tol
 EAGER = {"jvp": "reverse/eager", "vjp": "reverse/eager", "hvp": "reverse/eager"}
@@ -96,6 +104,12 @@ def _estimated(ctx: RunContext, manifest: dict[str, Any]) -> tuple[Estimate | No
     """The first estimate, the result's fields, and the float64 context (None without a float64 model)."""
     from worker.engine.float64 import Float64Unavailable, is_float64
 
+    if probes() == 0:
+        fields = Estimate(None, 0, "no estimate: JACOBIAN_PRECISION_PROBES=0").fields()
+        if ctx.job.precision == "auto":
+            fields["warning"] = _joined(manifest.get("warning"), "precision 'auto' could not check the result: "
+                                        "the operator set JACOBIAN_PRECISION_PROBES=0")
+        return None, fields, None
     if is_float64(ctx.load_model()):
         return None, Estimate(0.0, 0, "float64 model: its result is its own float64 probe").fields(), None
     try:
@@ -189,7 +203,7 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def _picked(n: int) -> np.ndarray:
-    return np.sort(np.random.default_rng(PROBE_SEED).choice(n, size=min(PROBES, n), replace=False))
+    return np.sort(np.random.default_rng(PROBE_SEED).choice(n, size=min(probes(), n), replace=False))
 
 
 def _group(manifest: dict[str, Any]) -> Any:
@@ -251,10 +265,10 @@ def _applied(ctx: RunContext, ctx64: RunContext) -> Estimate:
     product = applied_product(ctx.spec, ctx.job.curvature) or "jvp"   # svd: J v
     op, _ = operator(ctx)
     op64, _ = _operator64(ctx64, kind=product if product in EAGER else None)
-    seeds = np.random.default_rng(PROBE_SEED).standard_normal((PROBES, op.n_wrt))
+    seeds = np.random.default_rng(PROBE_SEED).standard_normal((probes(), op.n_wrt))
     got = op.apply(product, op.checked_seeds(product, seeds.astype(op.compute_dtype)))
     want = op64.apply(product, op64.checked_seeds(product, seeds))
-    return Estimate(_relative(got, want), PROBES, f"{PROBES} random {product} products, working precision "
+    return Estimate(_relative(got, want), len(seeds), f"{len(seeds)} random {product} products, working precision "
                     "against float64")
 
 
