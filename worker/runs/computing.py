@@ -33,10 +33,12 @@ class ComputingAttempt(Attempt):
                 loaded["inputs"] = load_inputs(job.inputs_uri, settings=settings)
             return dict(loaded["inputs"])
 
-        def model() -> Any:
-            from worker.model_cache import get_job_model
+        def model() -> Any:   # once per attempt: an S3 model's local copy is looked up (and counted) once
+            if "model" not in loaded:
+                from worker.model_cache import get_job_model
 
-            return get_job_model(job.model.path, job.model.signature, settings)
+                loaded["model"] = get_job_model(job.model.path, job.model.signature, settings)
+            return loaded["model"]
 
         def stop() -> bool:  # between chunks: the job's wall-clock limit (raises JobTimeout), then cancel
             self.check_time()
