@@ -120,6 +120,9 @@ def main() -> None:
                          "rows), for the models of bench/archs.py")
     ap.add_argument("--hog", type=int, default=0, metavar="N",
                     help="N busy CPU processes beside every run (stress-ng --cpu N if installed, else Python loops)")
+    ap.add_argument("--precision-probes", type=int, default=None, metavar="N",
+                    help="JACOBIAN_PRECISION_PROBES for our runs (default: the service's, 3; 0 shows what the "
+                         "precision estimate costs)")
     args = ap.parse_args()
     with cpu_hogs(args.hog) as hogs:
         if hogs:
@@ -131,7 +134,8 @@ def main() -> None:
 def bench(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-cold-"))
     model_dir, of, wrt = build_model(args.model, work)
-    env = base_env()
+    env = base_env(**({} if args.precision_probes is None
+                       else {"JACOBIAN_PRECISION_PROBES": str(args.precision_probes)}))
     problems: list[str] = []
     rows: list[dict] = []
     figures: dict[str, list] = {"peer": [], "cold": [], "warm": []}
@@ -224,7 +228,8 @@ def bench(args: argparse.Namespace) -> None:
     print(machine())
     name = "cold_start_mobilenet_v3_small" if args.model == "mobilenet" else f"cold_start_{args.model}"
     name += "_jax" if args.jax else ""
-    emit(name + (f"_hog{args.hog}" if args.hog else ""), rows, args.out)
+    emit(name + (f"_hog{args.hog}" if args.hog else "")
+         + ("" if args.precision_probes is None else f"_probes{args.precision_probes}"), rows, args.out)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
