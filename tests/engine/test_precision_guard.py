@@ -241,3 +241,20 @@ def test_the_operator_sets_the_probes_and_zero_turns_the_estimate_off(built, tmp
     finally:
         monkeypatch.delenv("JACOBIAN_PRECISION_PROBES")
         get_settings.cache_clear()
+
+
+def test_a_custom_gradient_in_the_model_keeps_its_estimate(tmp_path):
+    """Keras' swish is ``tf.nn.silu``, a ``tf.custom_gradient`` whose registered gradient is the float32 model's: the
+    float64 copy differentiates its forward ops instead (EfficientNet had "no estimate: TypeError ... Mul")."""
+    import keras
+
+    from worker.engine import load_model
+
+    keras.utils.set_random_seed(4)
+    x = keras.Input((6,), name="x")
+    net = keras.Model(x, {"y": keras.layers.Dense(3, activation="swish")(keras.layers.Dense(5, activation="swish")(x))})
+    net.export(str(tmp_path / "swish"), verbose=False)
+    model = load_model(str(tmp_path / "swish"))
+    manifest, got, _ = run(model, {"x": X}, tmp_path / "out", of="y", wrt="x")
+    assert manifest["precision_probes"] == 3, manifest["precision_method"]
+    assert 0 <= manifest["precision_error"] < 1e-5

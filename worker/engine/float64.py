@@ -181,6 +181,13 @@ def _rewrite_nodes(nodes: Any, add: Any, graph_def: Any, renamed: dict[str, str]
     original's name is registered already, with float32 types)."""
     for node in list(nodes):
         node.op = renamed.get(node.op, node.op)
+        if "_gradient_op_type" in node.attr:
+            # A tf.custom_gradient's IdentityN (Keras' swish is tf.nn.silu, one): its registered gradient is the
+            # float32 model's and hands float32 gradients into the float64 graph ("Input 'y' of 'Mul' Op has type
+            # float64 that does not match type float32"). Without it the gradient is that of the forward ops the
+            # IdentityN passes on: the same derivative wherever the custom one is exact (a probe of a deliberately
+            # different one, e.g. a straight-through estimator, would show as a large error).
+            del node.attr["_gradient_op_type"]
         for key in node.attr:
             value = node.attr[key]
             if value.HasField("func"):
