@@ -156,6 +156,7 @@ class Quotas:
             pipe.get(self.job_s_key_template.format(name=name))
             *rows, job_s = pipe.execute()
         counts = JobCounts(job_s=float(job_s) if job_s else None)
+        known_job_s = counts.job_s
         ended = self.connection.pipeline(transaction=False)
         for (job_id, admitted_at), (status, result, finished_at, progress, started_at) in zip(members, rows):
             if (status is None and admitted_at > now - PENDING_S) or status == b"queued":
@@ -177,10 +178,11 @@ class Quotas:
                 took = float(finished_at) - float(started_at)
                 counts.job_s = took if counts.job_s is None else (
                     JOB_TIME_WEIGHT * took + (1 - JOB_TIME_WEIGHT) * counts.job_s)
-                ended.set(self.job_s_key_template.format(name=name), repr(counts.job_s), ex=_DAY_KEY_TTL_S)
             day = utc_day(float(finished_at) if finished_at else now)
             self._settle(keys=[jobs_key, self.bytes_key_template.format(name=name, day=day)],
                          args=[job_id, size, _DAY_KEY_TTL_S], client=ended)
+        if counts.job_s != known_job_s:   # the moving average over the jobs that ended since: one write
+            ended.set(self.job_s_key_template.format(name=name), repr(counts.job_s), ex=_DAY_KEY_TTL_S)
         with ended:
             ended.execute()
         return counts

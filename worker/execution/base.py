@@ -28,13 +28,12 @@ class Executor:
     of them, ``finish`` the sharded result. ``array``: the result array shards write into.
 
     ``run`` returns the manifest (written last, by the executor); ``split`` returns None when the job runs in one
-    piece; ``finish`` needs no model unless ``finish_loads_model`` (the finalizer then gives it the job's model and
-    inputs). Errors are ``EngineError``s (``Stopped`` on cancel) or storage errors, classified by the caller
+    piece; ``finish`` gets the job's model and inputs from the finalizer's context, loaded when first asked for.
+    Errors are ``EngineError``s (``Stopped`` on cancel) or storage errors, classified by the caller
     (``worker.runs.attempt.classify``).
     """
 
     array = "jacobian"
-    finish_loads_model = False
 
     def array_for(self, split: ShardPlan | None) -> str:
         """The array the shards of ``split`` write into (the finalizer checks its commit markers)."""

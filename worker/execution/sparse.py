@@ -43,7 +43,6 @@ class SparseExecutor(Executor):
     """
 
     array = COMPRESSED_ARRAY
-    finish_loads_model = True
 
     def __init__(self) -> None:
         self._setup: SparseSetup | DenseInstead | None = None
