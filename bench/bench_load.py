@@ -37,6 +37,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,19 +233,26 @@ async def poll(host: str, port: int, ids: list[str], *, rate: float, duration_s:
     return phase, last
 
 
-async def settle(host: str, port: int, ids: list[str], *, timeout_s: float, headers: dict[str, str]) -> dict[str, str]:
-    """Poll (gently) until every job is terminal or ``timeout_s`` passed; the statuses then."""
+async def records_when_terminal(host: str, port: int, ids: list[str], *, timeout_s: float,
+                                headers_for: Callable[[int], dict[str, str]],
+                                on_answer: Callable[[Conn, int, bytes], Awaitable[None]] | None = None,
+                                ) -> dict[str, dict[str, Any]]:
+    """Poll (gently) until every job is terminal or ``timeout_s`` passed: each job's last record read (``{"status":
+    "http <code>"}`` for an answer that is not 200). ``headers_for(n)``: the headers of the n-th poll of a round;
+    ``on_answer(conn, code, payload)`` sees every answer."""
     conn = Conn(host, port)
-    status_of: dict[str, str] = {}
+    records: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     try:
         pending = list(ids)
         while pending:
             still = []
-            for job_id in pending:
-                code, payload = await conn.request("GET", f"/v1/jobs/{job_id}", headers=headers)
-                status_of[job_id] = json.loads(payload)["status"] if code == 200 else f"http {code}"
-                if status_of[job_id] not in TERMINAL:
+            for n, job_id in enumerate(pending):
+                code, payload = await conn.request("GET", f"/v1/jobs/{job_id}", headers=headers_for(n))
+                if on_answer is not None:
+                    await on_answer(conn, code, payload)
+                records[job_id] = json.loads(payload) if code == 200 else {"status": f"http {code}"}
+                if records[job_id]["status"] not in TERMINAL:
                     still.append(job_id)
             pending = still
             if pending:
@@ -253,7 +261,13 @@ async def settle(host: str, port: int, ids: list[str], *, timeout_s: float, head
                 await asyncio.sleep(0.5)
     finally:
         await conn.close()
-    return status_of
+    return records
+
+
+async def settle(host: str, port: int, ids: list[str], *, timeout_s: float, headers: dict[str, str]) -> dict[str, str]:
+    """Poll (gently) until every job is terminal or ``timeout_s`` passed; the statuses then."""
+    records = await records_when_terminal(host, port, ids, timeout_s=timeout_s, headers_for=lambda n: headers)
+    return {job_id: record["status"] for job_id, record in records.items()}
 
 
 # -- agreement -------------------------------------------------------------------------------------

@@ -35,7 +35,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.bench_load import TERMINAL, Conn, Stack, agreement, api_counts, redis_counts, storage_counts
+from bench.bench_load import (
+    TERMINAL,
+    Conn,
+    Stack,
+    agreement,
+    api_counts,
+    records_when_terminal,
+    redis_counts,
+    storage_counts,
+)
 from bench.load_clients import Key, Shared, follower, poller, submitter, summary_of
 from bench.load_receiver import read_calls
 from tests.procs import REPO, Proc, base_env, free_port, wait_for
@@ -138,31 +147,16 @@ async def clients(shared: Shared, plan: Plan) -> None:
 
 
 async def settle(shared: Shared, *, timeout_s: float) -> dict[str, dict[str, Any]]:
-    """Each job's record once terminal (or the last one read when ``timeout_s`` ran out)."""
-    conn = Conn(shared.host, shared.port)
-    records: dict[str, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        pending = list(shared.ids)
-        while pending:
-            still = []
-            for n, job_id in enumerate(pending):  # each key in turn: no key's request rate is exceeded
-                headers = shared.keys[n % len(shared.keys)].headers
-                code, payload = await conn.request("GET", f"/v1/jobs/{job_id}", headers=headers)
-                shared.count_status("GET /v1/jobs/{id}", code, payload, conn.last_headers)
-                if code == 429:
-                    await asyncio.sleep(1.0)
-                records[job_id] = json.loads(payload) if code == 200 else {"status": f"http {code}"}
-                if records[job_id]["status"] not in TERMINAL:
-                    still.append(job_id)
-            pending = still
-            if pending:
-                if time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.5)
-    finally:
-        await conn.close()
-    return records
+    """Each job's record once terminal (or the last one read when ``timeout_s`` ran out); each key in turn, so no
+    key's request rate is exceeded (a 429 is counted and waited out)."""
+    async def counted(conn: Conn, code: int, payload: bytes) -> None:
+        shared.count_status("GET /v1/jobs/{id}", code, payload, conn.last_headers)
+        if code == 429:
+            await asyncio.sleep(1.0)
+
+    return await records_when_terminal(shared.host, shared.port, list(shared.ids), timeout_s=timeout_s,
+                                       headers_for=lambda n: shared.keys[n % len(shared.keys)].headers,
+                                       on_answer=counted)
 
 
 def webhook_check(ids: list[str], records: dict[str, dict[str, Any]], calls: list[dict[str, Any]]) -> dict[str, Any]:
