@@ -190,12 +190,13 @@ async def submit_all(host: str, port: int, n: int, headers: dict[str, str]) -> t
     return [i for i in ids if i is not None], phase
 
 
-async def poll(host: str, port: int, ids: list[str], *, rate: float, duration_s: float, connections: int,
-               headers: dict[str, str]) -> tuple[Phase, dict[str, str]]:
-    """GET /v1/jobs/{id} round-robin over ``ids`` on an open-loop schedule; the last status seen per id."""
-    phase = Phase("poll")
+async def open_loop(host: str, port: int, phase: Phase, *, rate: float, duration_s: float, connections: int,
+                    target: Callable[[int], tuple[str, dict[str, str], Any]],
+                    check: Callable[[Conn, Any, int, bytes], None]) -> None:
+    """GETs on an open-loop schedule of ``rate`` per second for ``duration_s`` over ``connections`` keep-alive
+    connections: the i-th goes to ``target(i)`` (path, headers, context), its answer to ``check(conn, context,
+    status, payload)``; lateness, latencies, outcomes and the phase's seconds into ``phase``."""
     total = int(round(rate * duration_s))
-    last: dict[str, str] = {}
     t0 = time.perf_counter() + 0.05
 
     async def lane(c: int) -> None:
@@ -208,28 +209,45 @@ async def poll(host: str, port: int, ids: list[str], *, rate: float, duration_s:
                     await asyncio.sleep(wait)
                 start = time.perf_counter()
                 phase.late.append(max(0.0, start - due))
-                job_id = ids[i % len(ids)]
+                path, headers, context = target(i)
                 phase.sent += 1
                 try:
-                    status, payload = await conn.request("GET", f"/v1/jobs/{job_id}", headers=headers)
+                    status, payload = await conn.request("GET", path, headers=headers)
                 except HttpError as err:
                     phase.error(str(err))
                     continue
                 phase.latencies.append(time.perf_counter() - start)
                 phase.outcomes[str(status)] += 1
-                if status != 200:
-                    phase.error(f"GET /v1/jobs/{job_id} answered {status}: {payload[:300]!r}")
-                    continue
-                record = json.loads(payload)
-                if record.get("id") != job_id or record.get("status") not in STATUSES:
-                    phase.error(f"GET /v1/jobs/{job_id}: unexpected body {payload[:300]!r}")
-                    continue
-                last[job_id] = record["status"]
+                check(conn, context, status, payload)
         finally:
             await conn.close()
 
     await asyncio.gather(*(lane(c) for c in range(connections)))
     phase.seconds = time.perf_counter() - t0
+
+
+async def poll(host: str, port: int, ids: list[str], *, rate: float, duration_s: float, connections: int,
+               headers: dict[str, str]) -> tuple[Phase, dict[str, str]]:
+    """GET /v1/jobs/{id} round-robin over ``ids`` on an open-loop schedule; the last status seen per id."""
+    phase = Phase("poll")
+    last: dict[str, str] = {}
+
+    def target(i: int) -> tuple[str, dict[str, str], str]:
+        job_id = ids[i % len(ids)]
+        return f"/v1/jobs/{job_id}", headers, job_id
+
+    def check(conn: Conn, job_id: str, status: int, payload: bytes) -> None:
+        if status != 200:
+            phase.error(f"GET /v1/jobs/{job_id} answered {status}: {payload[:300]!r}")
+            return
+        record = json.loads(payload)
+        if record.get("id") != job_id or record.get("status") not in STATUSES:
+            phase.error(f"GET /v1/jobs/{job_id}: unexpected body {payload[:300]!r}")
+            return
+        last[job_id] = record["status"]
+
+    await open_loop(host, port, phase, rate=rate, duration_s=duration_s, connections=connections, target=target,
+                    check=check)
     return phase, last
 
 

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.bench_load import STATUSES, TERMINAL, Conn, HttpError, Phase, job_body
+from bench.bench_load import STATUSES, TERMINAL, Conn, HttpError, Phase, job_body, open_loop
 
 NOTIFY_EVENTS = ["succeeded", "failed", "canceled", "progress"]
 READ_TIMEOUT_S = 60.0  # an event stream silent this long (no event, no keep-alive comment) is a failure
@@ -146,46 +146,28 @@ async def poller(shared: Shared, *, rate: float, duration_s: float, connections:
     """GET /v1/jobs/{id} round-robin over the jobs accepted so far (GET /v1/usage before the first), each
     request with the next key, on an open-loop schedule of ``rate`` per second for ``duration_s``."""
     phase = shared.poll
-    total = int(round(rate * duration_s))
-    t0 = time.perf_counter() + 0.05
 
-    async def lane(c: int) -> None:
-        conn = Conn(shared.host, shared.port)
-        try:
-            for i in range(c, total, connections):
-                due = t0 + i / rate
-                wait = due - time.perf_counter()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                start = time.perf_counter()
-                phase.late.append(max(0.0, start - due))
-                ids = shared.ids
-                job_id = ids[i % len(ids)] if ids else None
-                path, route = (f"/v1/jobs/{job_id}", "GET /v1/jobs/{id}") if job_id else ("/v1/usage", "GET /v1/usage")
-                phase.sent += 1
-                try:
-                    status, payload = await conn.request("GET", path, headers=shared.keys[i % len(shared.keys)].headers)
-                except HttpError as err:
-                    phase.error(str(err))
-                    continue
-                phase.latencies.append(time.perf_counter() - start)
-                phase.outcomes[str(status)] += 1
-                shared.count_status(route, status, payload, conn.last_headers)
-                if status != 200:
-                    if status != 429:
-                        phase.error(f"{route} answered {status}: {payload[:300]!r}")
-                    continue
-                if job_id is not None:
-                    record = json.loads(payload)
-                    if record.get("id") != job_id or record.get("status") not in STATUSES:
-                        phase.error(f"GET /v1/jobs/{job_id}: unexpected body {payload[:300]!r}")
-                    elif record["status"] in TERMINAL:
-                        shared.ended.add(job_id)
-        finally:
-            await conn.close()
+    def target(i: int) -> tuple[str, dict[str, str], str | None]:
+        ids = shared.ids
+        job_id = ids[i % len(ids)] if ids else None
+        return f"/v1/jobs/{job_id}" if job_id else "/v1/usage", shared.keys[i % len(shared.keys)].headers, job_id
 
-    await asyncio.gather(*(lane(c) for c in range(connections)))
-    phase.seconds = time.perf_counter() - t0
+    def check(conn: Conn, job_id: str | None, status: int, payload: bytes) -> None:
+        route = "GET /v1/jobs/{id}" if job_id else "GET /v1/usage"
+        shared.count_status(route, status, payload, conn.last_headers)
+        if status != 200:
+            if status != 429:
+                phase.error(f"{route} answered {status}: {payload[:300]!r}")
+            return
+        if job_id is not None:
+            record = json.loads(payload)
+            if record.get("id") != job_id or record.get("status") not in STATUSES:
+                phase.error(f"GET /v1/jobs/{job_id}: unexpected body {payload[:300]!r}")
+            elif record["status"] in TERMINAL:
+                shared.ended.add(job_id)
+
+    await open_loop(shared.host, shared.port, phase, rate=rate, duration_s=duration_s, connections=connections,
+                    target=target, check=check)
 
 
 # -- SSE followers ---------------------------------------------------------------------------------
