@@ -258,3 +258,47 @@ def test_a_custom_gradient_in_the_model_keeps_its_estimate(tmp_path):
     manifest, got, _ = run(model, {"x": X}, tmp_path / "out", of="y", wrt="x")
     assert manifest["precision_probes"] == 3, manifest["precision_method"]
     assert 0 <= manifest["precision_error"] < 1e-5
+
+
+@pytest.mark.parametrize("keep_copy", [True, False])
+def test_the_float64_side_runs_before_the_job_and_a_one_job_process_drops_the_copy(built, tmp_path, keep_copy):
+    """The guard's float64 products come first (their memory is free again when the job's chunks need theirs);
+    ``jacobian compute`` (``keep_copy=False``) also drops the float64 copy before the job, a worker keeps it."""
+    from worker.engine import TFMemoryProbe
+    from worker.execution import executor_for
+    from worker.execution.local import local_context
+    from worker.execution.precision import run_guarded
+
+    model = built["cancelling"]
+    model.compiled.float64 = None
+    ctx = local_context(model, {"x": X}, results_url=str(tmp_path), job_id="order", probe=TFMemoryProbe(), of="y")
+    executor = executor_for(ctx.job)
+    seen = {}
+    job_run = executor.run
+
+    def run_job(c):
+        seen["copy during the job"] = model.compiled.float64 is not None
+        return job_run(c)
+
+    executor.run = run_job
+    manifest = run_guarded(executor, ctx, keep_copy=keep_copy)
+    assert seen["copy during the job"] is keep_copy
+    assert (model.compiled.float64 is not None) is keep_copy
+    assert manifest["precision_probes"] == 3 and manifest["precision_error"] > 1e-6   # the cancelling model's
+    assert relative(np.asarray(storage.open_group(manifest["uri"], mode="r")[manifest["array"]][...]),
+                    truth(model, "y")) < 1e-2
+
+
+def test_auto_keeps_the_copy_it_may_promote_with_in_a_one_job_process(built, tmp_path):
+    from worker.engine import TFMemoryProbe
+    from worker.execution import executor_for
+    from worker.execution.local import local_context
+    from worker.execution.precision import run_guarded
+
+    model = built["cancelling"]
+    ctx = local_context(model, {"x": X}, results_url=str(tmp_path), job_id="auto", probe=TFMemoryProbe(), of="y",
+                        precision="auto")
+    manifest = run_guarded(executor_for(ctx.job), ctx, keep_copy=False)
+    assert manifest["precision_promoted"] is True and model.compiled.float64 is not None
+    assert relative(np.asarray(storage.open_group(manifest["uri"], mode="r")[manifest["array"]][...]),
+                    truth(model, "y")) < 1e-6   # float32 rounding of the float64 truth; unpromoted: ~1e-4

@@ -59,7 +59,7 @@ def run_local(job: QueuedJob, *, inputs: dict[str, Any], seeds: Any = None,
                      previous_result=previous)
     from worker.execution.precision import run_guarded
 
-    return run_guarded(executor_for(job), ctx)
+    return run_guarded(executor_for(job), ctx, keep_copy=False)   # one job in this process
 
 
 def local_context(model: Any, inputs: dict[str, Any], *, results_url: str, job_id: str = "local",
