@@ -93,12 +93,13 @@ def _convert(model: LoadedModel) -> LoadedModel:
                  for name, v in model.variables.items() if name in captured.values()}
     var_order = [name for name in model.variables if name in variables]
     const_of = {name: node for node, name in captured.items()}
+    held = [graph_def]   # needed while the function is traced, not after
 
     def imported(*args: Any) -> Any:
         feeds = {f"{arg}:0": a for arg, a in zip(arg_names, args[:len(arg_names)])}
         feeds.update({f"{const_of[n]}:0": a for n, a in zip(var_order, args[len(arg_names):])})
         names = sorted(output_tensors)
-        got = tf.graph_util.import_graph_def(graph_def, input_map=feeds,
+        got = tf.graph_util.import_graph_def(held[0], input_map=feeds,
                                              return_elements=[output_tensors[n] for n in names], name="")
         return dict(zip(names, got))
 
@@ -108,6 +109,8 @@ def _convert(model: LoadedModel) -> LoadedModel:
     arg_specs = [spec64(specs[n]) for n in order]
     var_specs = [tf.TensorSpec(variables[n].shape, variables[n].dtype) for n in var_order]
     wrapped = tf.compat.v1.wrap_function(imported, arg_specs + var_specs)
+    held.clear()
+    del graph_def, frozen
 
     def call(**inputs: Any) -> dict[str, Any]:
         args = [tf.convert_to_tensor(inputs[n], tf.float64 if specs[n].dtype.is_floating else specs[n].dtype)
