@@ -59,10 +59,11 @@ sys.stdin.read()
 
 
 @contextlib.contextmanager
-def other_tenant(fraction: float) -> Iterator[tuple[int, int]]:
-    """A process holding ``fraction`` of the GPU's free memory: yields (bytes held, NVML free after)."""
+def other_tenant(fraction: float, script: str = HOG) -> Iterator[tuple[int, int]]:
+    """A process holding ``fraction`` of the GPU's free memory: yields (bytes held, free after). ``script`` is the
+    tenant (TensorFlow's by default): it prints "HELD <bytes held> <free after>" and sleeps until stdin closes."""
     env = {k: v for k, v in os.environ.items() if k != "TF_FORCE_GPU_ALLOW_GROWTH"}
-    proc = subprocess.Popen([sys.executable, "-c", HOG, str(fraction)], cwd=REPO, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", script, str(fraction)], cwd=REPO, env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdin is not None

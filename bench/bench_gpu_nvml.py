@@ -26,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from bench.bench_gpu import other_tenant
 from worker.engine import devices, memory
 from worker.engine.planner import LinearFit, plan_chunk
 
@@ -35,7 +36,7 @@ import sys, torch
 free, total = torch.cuda.mem_get_info()
 held = torch.empty(int(float(sys.argv[1]) * free), dtype=torch.uint8, device="cuda")
 torch.cuda.synchronize()
-print("HELD", held.numel(), flush=True)
+print("HELD", held.numel(), torch.cuda.mem_get_info()[0], flush=True)
 sys.stdin.read()
 """
 
@@ -121,19 +122,8 @@ def main() -> int:
     report["memory_line_mib"] = {"fixed": args.fixed_mib, "per_row": args.row_mib}
     report["readings"] = {"alone": reading(probe, line, args.rows)}
     for fraction in args.hold:
-        proc = subprocess.Popen([sys.executable, "-c", HOG, str(fraction)], text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        try:
-            assert proc.stdout is not None
-            held = proc.stdout.readline().split()
-            if not held or held[0] != "HELD":
-                raise RuntimeError(f"the other tenant did not hold memory (exit {proc.poll()})")
-            report["readings"][f"held_{fraction}"] = {"held_mib": int(held[1]) // MIB,
-                                                      **reading(probe, line, args.rows)}
-        finally:
-            if proc.stdin:
-                proc.stdin.close()
-            proc.wait(timeout=60)
+        with other_tenant(fraction, script=HOG) as (held, _free_after):
+            report["readings"][f"held_{fraction}"] = {"held_mib": held // MIB, **reading(probe, line, args.rows)}
     time.sleep(1.0)
     report["readings"]["after"] = reading(probe, line, args.rows)
     args.out.mkdir(parents=True, exist_ok=True)

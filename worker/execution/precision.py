@@ -129,9 +129,13 @@ def prepare(ctx: RunContext, *, keep_copy: bool = True) -> Prepared:
         raise
     except Exception as err:  # noqa: BLE001 - the estimate never fails a job
         # a request the job refuses fails here first: the job's refusal, in its own words, is the one to show
-        (log.debug if isinstance(err, InvalidRequest) else log.warning)(
-            "job %s: no precision estimate: %s", ctx.job_id, err)
-        return Prepared(fields=Estimate(None, 0, f"no estimate: {type(err).__name__}: {str(err)[:200]}").fields())
+        return Prepared(fields=_no_estimate(ctx, err, quiet=isinstance(err, InvalidRequest)))
+
+
+def _no_estimate(ctx: RunContext, err: Exception, *, quiet: bool = False) -> dict[str, Any]:
+    """The fields of an estimate that failed with ``err`` (logged; at debug level when ``quiet``)."""
+    (log.debug if quiet else log.warning)("job %s: no precision estimate: %s", ctx.job_id, err)
+    return Estimate(None, 0, f"no estimate: {type(err).__name__}: {str(err)[:200]}").fields()
 
 
 def _drop_copy(ctx: RunContext) -> None:
@@ -153,17 +157,15 @@ def _guarded(ctx: RunContext, manifest: dict[str, Any], prepared: Prepared) -> d
         if prepared.warning:
             fields["warning"] = _joined(manifest.get("warning"), prepared.warning)
     else:
+        from worker.engine.errors import Stopped
+
         try:
             first = prepared.compare(manifest)
             fields = first.fields()
+        except Stopped:
+            raise
         except Exception as err:  # noqa: BLE001 - the estimate never fails a job that computed its result
-            from worker.engine.errors import Stopped
-
-            if isinstance(err, Stopped):
-                raise
-            log.warning("job %s: no precision estimate: %s", ctx.job_id, err)
-            first = None
-            fields = Estimate(None, 0, f"no estimate: {type(err).__name__}: {str(err)[:200]}").fields()
+            first, fields = None, _no_estimate(ctx, err)
     ctx64 = prepared.ctx64
     if ctx.job.precision == "auto" and ctx64 is not None and first is not None and first.error is not None:
         tol = tolerance(ctx)
@@ -202,10 +204,9 @@ def tolerance(ctx: RunContext) -> float:
     return DEFAULT_TOL.get(dtype, DEFAULT_TOL["float32"])
 
 
-def float64_context(ctx: RunContext, output_dtype: str | None = None) -> RunContext:
-    """``ctx`` on the float64 model, its float inputs and seeds as float64, the result stored as ``output_dtype``
-    (the job's own when None; no plan or route caches: they are the float32 model's). Raises
-    ``Float64Unavailable``."""
+def float64_context(ctx: RunContext) -> RunContext:
+    """``ctx`` on the float64 model, its float inputs and seeds as float64 (no plan or route caches: they are the
+    float32 model's; the promotion sets the stored dtype). Raises ``Float64Unavailable``."""
     from worker.engine.float64 import float64_model
 
     model64 = float64_model(ctx.load_model())
@@ -214,8 +215,7 @@ def float64_context(ctx: RunContext, output_dtype: str | None = None) -> RunCont
     def inputs() -> dict[str, Any]:
         return {n: _as_float64(v) for n, v in load_inputs().items()}
 
-    job = ctx.job if output_dtype is None else ctx.job.model_copy(update={"output_dtype": output_dtype})
-    return replace(ctx, job=job, load_model=lambda: model64, load_inputs=inputs, plans=None, cache_dir=None)
+    return replace(ctx, load_model=lambda: model64, load_inputs=inputs, plans=None, cache_dir=None)
 
 
 def _as_float64(value: Any) -> Any:
@@ -284,7 +284,6 @@ def _dense(ctx64: RunContext) -> Callable[[dict[str, Any]], Estimate]:
     lead = tuple(op.axis.shape) if spec.scalar_of else tuple(op.of_shape)
     label = "Hessian" if spec.scalar_of else "Jacobian"
     method = f"{len(picked)} random {label} rows against float64 {'HVPs' if spec.scalar_of else 'VJPs'}"
-    del op   # the float64 operator's tensors go before the job; the comparison needs the rows alone
 
     def compare(manifest: dict[str, Any]) -> Estimate:
         group = _group(manifest)
@@ -311,7 +310,6 @@ def _products(ctx64: RunContext) -> Callable[[dict[str, Any]], Estimate]:
     if not len(picked):
         return lambda _manifest: Estimate(0.0, 0, "no products to probe")
     want = op.apply(kind, op.checked_seeds(kind, np.asarray(seeds)[picked]))
-    del op
 
     def compare(manifest: dict[str, Any]) -> Estimate:
         stored = _group(manifest)["products"]
