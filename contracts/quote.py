@@ -54,7 +54,12 @@ class Quote(BaseModel):
     arrays: list[ArrayQuote]
     result_bytes: int | None = Field(description="bytes of all result arrays; null when only the worker can know")
     passes: Passes
-    predicted_peak_bytes: int | None
+    predicted_peak_bytes: int | None = Field(
+        description="the peak memory of a chunk: from a plan, the latest job's measured peak at the predicted "
+                    "chunk size (else the plan's memory line there); else an estimate from the result size")
+    peak_bound_bytes: int | None = Field(
+        None, description="from a plan: the largest peak any of its jobs measured at the predicted chunk size, else "
+                          "its memory line there (above every measured peak): what the worker plans against")
     peak_measure: Literal["allocator", "process_rss", "estimate"] | None = Field(
         None, description="what predicted_peak_bytes counts: TensorFlow's allocator bytes of a chunk; "
                           "process_rss: the growth of the worker process's resident set over a chunk (VmHWM), "
@@ -206,10 +211,12 @@ def _line(value: Any, scale: float = 1.0) -> tuple[float, float] | None:
 
 
 def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_rows: int | None,
-               budget: int | None) -> tuple[int, float | None, int, str]:
-    """Peak bytes, seconds and chunk rows the plan's strategy predicts for ``rows`` (the peak: the largest one
-    measured at that chunk size when the plan ran it at this batch, else its memory line, a bound); raises
-    KeyError/ValueError when the plan has no memory line."""
+               budget: int | None) -> tuple[tuple[int, int], float | None, int, str]:
+    """Peak bytes (predicted, bound), seconds and chunk rows the plan's strategy predicts for ``rows``. When the
+    plan ran that chunk size at this batch: the latest job's peak there, and the largest any job measured (a
+    bound); else its memory line, a bound, for both. Raises KeyError/ValueError when the plan has no memory line.
+    The largest peak alone overstates the next job where peaks are a few MiB of RSS growth: a transformer was
+    quoted 3.0 MiB (the cold job's) against the warm job's 2.2."""
     label = str(plan["strategy"])
     record = plan["strategies"][label]
     measured_at = record.get("batch")
@@ -227,17 +234,18 @@ def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_r
         k = 1
         while k * 2 <= cap and (budget is None or memory[0] + memory[1] * k * 2 <= SAFETY * budget):
             k *= 2
-    peak = int(memory[0] + memory[1] * k)   # the bound through every peak measured
+    peak = bound = int(memory[0] + memory[1] * k)   # the bound through every peak measured
     measured = (record.get("peaks") or {}).get(str(k))
-    if measured and scale == 1.0:   # this size was run at this batch: its largest measured peak
-        peak = int(measured)
+    if measured and scale == 1.0:   # this size was run at this batch: the latest job's peak, and the largest
+        bound = int(measured)
+        peak = int((record.get("last_peaks") or {}).get(str(k)) or measured)
     chunks = math.ceil(rows / k)
     if seconds is not None:
         secs: float | None = chunks * (seconds[0] + seconds[1] * k)
     else:
         rates = record.get("rates") or {}
         secs = rows / max(map(float, rates.values())) if rates else None
-    return peak, secs, k, label
+    return (peak, bound), secs, k, label
 
 
 def first_call_sizes(label: str, rows: int, k: int, *, timed: Any = (), forced: bool = False) -> list[int]:
@@ -309,11 +317,12 @@ def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], 
     if plan is not None and passes.unit == "rows" and passes.count:
         try:
             batch = wrt_shape[0] if kind.batch_axis and wrt_shape else None
-            peak, secs, k, label = _from_plan(plan, passes.count, batch=batch, chunk_rows=spec.chunk_rows,
-                                              budget=budget)
+            (peak, bound), secs, k, label = _from_plan(plan, passes.count, batch=batch, chunk_rows=spec.chunk_rows,
+                                                       budget=budget)
             when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(plan.get("updated_at") or 0)))
             rss = plan["strategies"][label].get("peak_measure") == "process_rss"
-            fields = {"predicted_peak_bytes": peak, "predicted_chunk_rows": k, "strategy": label, "guess": False,
+            fields = {"predicted_peak_bytes": peak, "peak_bound_bytes": bound, "predicted_chunk_rows": k,
+                      "strategy": label, "guess": False,
                       "basis": f"persisted plan {plan_name} from {when} ({label}; jobs: {plan.get('jobs', 0)}; on "
                                f"{(plan.get('key') or {}).get('device', 'a device')})"
                                + ("; peak: the process's resident-set growth over a chunk, not allocator bytes"

@@ -33,6 +33,12 @@ def gpu(monkeypatch):
         monkeypatch.delenv(name)
 
     def install(tf: FakeTF | None = None, nvml: FakeNVML | None = None) -> tuple[FakeTF, FakeNVML]:
+        from worker.engine import loop_handles, resize_grads
+
+        # load_model's gradient patches import tensorflow.python, which the fake has not (run alone, no real
+        # TensorFlow was imported before): as if installed already
+        monkeypatch.setattr(loop_handles, "_INSTALLED", True)
+        monkeypatch.setattr(resize_grads, "_INSTALLED", True)
         tf = tf or FakeTF(growth=True)
         nvml = nvml or FakeNVML([A, B])
         monkeypatch.setitem(sys.modules, "tensorflow", tf)

@@ -94,14 +94,18 @@ def test_the_api_request_digest_is_the_workers_plan_key_without_device():
 
 
 def test_a_chunk_size_the_plan_ran_is_quoted_at_its_measured_peak():
-    """The memory line is a bound through every peak (above most); a size the plan ran is quoted at the largest
-    peak measured at it, the line only where nothing was measured."""
+    """The memory line is a bound through every peak (above most); a size the plan ran is quoted at the peak the
+    latest job measured at it, with the largest any job measured as the bound; the line only where nothing was
+    measured."""
     plan = Plan.from_json(_plan(_key()))
     plan.strategies["vectorized"].peaks = {16: 2100}
     measured = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
-    assert measured.predicted_chunk_rows == 16 and measured.predicted_peak_bytes == 2100
+    assert measured.predicted_chunk_rows == 16 and measured.predicted_peak_bytes == measured.peak_bound_bytes == 2100
+    plan.strategies["vectorized"].last_peaks = {16: 1500}   # a later job measured less: the bound stays
+    latest = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=Plan.from_json(plan.to_json()).to_json())
+    assert latest.predicted_peak_bytes == 1500 and latest.peak_bound_bytes == 2100
     other = quote(job(of="y", wrt="x", chunk_rows=8), SIG, {}, SHAPES, plan=plan.to_json())
-    assert other.predicted_peak_bytes == 1000 + 100 * 8
+    assert other.predicted_peak_bytes == other.peak_bound_bytes == 1000 + 100 * 8
 
 
 def test_seconds_count_the_first_calls_of_a_fresh_process_beside_the_steady_part():

@@ -175,14 +175,21 @@ class ChunkRun:
         rows = np.asarray(out)  # a view of the tensor's buffer on the CPU: no extra copy
         seconds = time.perf_counter() - t0
         peak, record = int(self.probe.peak_bytes()), self.plan.record(label)
-        if peak <= 0 and k * self.problem.layout.row_bytes >= SEEN_BYTES:
-            record.peak_unseen = True  # its memory is invisible to the allocator statistics
+        if peak <= 0 and k * self.problem.layout.row_bytes >= SEEN_BYTES and not self.host_measured:
+            record.peak_unseen = True  # its memory is invisible to the allocator statistics, and to /proc
         if self.host is not None:   # where the allocator misses the chunk: the process's RSS delta (host_peak)
             peak = self.host.after(record, peak, k * self.problem.layout.row_bytes)
         self.peak = max(self.peak, peak)
         self.problem.model.compiled.sizes(self.key(label)).add(k)
         self.rows_run += n
         return rows, seconds, peak, first
+
+    @property
+    def host_measured(self) -> bool:
+        """Whether this host job measures its chunks by the process's RSS (``host_peak``): none of its memory is
+        then unseen, whatever TensorFlow's CPU allocator statistics read (0, or nothing at all where they are
+        off, as in a fresh TensorFlow 2.21 process); a first call, not measured, says nothing of the strategy."""
+        return self.host is not None and self.host.resident.available
 
     def key(self, label: str) -> ChunkKey:
         name, xla = parse_label(label)
@@ -334,10 +341,11 @@ class ChunkRun:
             return
         for k, rate in ladder.rates().items():
             record.rates[k] = round(rate, 3)
-        peaks = dict(record.peaks) if record.batch in (None, self.batch) else {}
+        same = record.batch in (None, self.batch)
+        peaks = dict(record.peaks) if same else {}
         for k, peak in ladder.peaks.items():
             peaks[k] = max(peaks.get(k, 0), peak)
-        record.peaks = peaks
+        record.peaks, record.last_peaks = peaks, {**(record.last_peaks if same else {}), **ladder.peaks}
         # XLA on the CPU reads 0: a row costs at least its result and seed
         record.memory = fit_bound(peaks, floor_per_row=2.0 * self.problem.layout.row_bytes)
         check_one_row_fits(record.memory_at(self.batch) or record.memory, free_bytes=self.free_at_start,

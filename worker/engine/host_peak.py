@@ -1,16 +1,19 @@
 """The process's resident memory on a host (CPU) job: what TensorFlow's allocator statistics do not see.
 
-The CPU allocator's statistics count allocations from about 128 KiB up and none of XLA's, so a strategy
-that runs a row at a time (``loop``) or compiles with XLA peaks at ~0 bytes by them (an LSTM's quote said
-0.1 MiB). Linux keeps the process's peak resident set (``VmHWM`` in /proc/self/status) and resets it to
-the current resident set when "5" is written to /proc/self/clear_refs (Linux 4.0+): the peak over a chunk,
-less what was resident when it started, is what the chunk made the process hold. Freed heap that malloc
-keeps would serve a chunk without new pages (a loop chunk of an LSTM then reads 0.0-0.7 MiB, at random), so
-a span starts with glibc's ``malloc_trim(0)`` (under 1 ms in a TensorFlow process): the LSTM's 8-row chunks
-then read 2.0-2.2 MiB every time, 64-row ones 2.5-2.6 MiB. It is still a process RSS delta, not allocator
-bytes: other threads' memory is in it. A strategy's first call (its trace: 12-34 MiB of graph on that LSTM) is
-not measured (``HostPeaks``); a new size that compiles anew (XLA) still shows its compile.
-Where the files cannot be read or written (not Linux, a locked-down /proc) nothing is measured: None.
+On the CPU TensorFlow keeps no allocator statistics unless something turned them on (TensorFlow 2.21:
+``get_memory_info("CPU:0")`` raises "Allocator stats not available" in a fresh process; where they are
+on, they count allocations from about 128 KiB up and none of XLA's), so a host chunk's peak reads 0 by
+them (an LSTM's quote said 0.1 MiB). Linux keeps the process's peak resident set (``VmHWM`` in
+/proc/self/status) and resets it to the current resident set when "5" is written to /proc/self/clear_refs
+(Linux 4.0+): the peak over a chunk, less what was resident when it started, is what the chunk made the
+process hold. Freed heap that malloc keeps would serve a chunk without new pages (a loop chunk of an LSTM
+then reads 0.0-0.7 MiB, at random), so a span starts with glibc's ``malloc_trim(0)`` (under 1 ms in a
+TensorFlow process): the LSTM's 8-row chunks then read 1.2-2.2 MiB in a fresh process, 64-row ones
+2.5-2.6 MiB. A process that has run a test suite holds partly used pages that no trim returns, and there
+the same chunks read 0.25-0.4 MiB. It is still a process RSS delta, not allocator bytes: other threads'
+memory is in it. A strategy's first call (its trace: 12-34 MiB of graph on that LSTM) is not measured
+(``HostPeaks``); a new size that compiles anew (XLA) still shows its compile. Where the files cannot be
+read or written (not Linux, a locked-down /proc) nothing is measured: None.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class HostPeaks:
 
     def __init__(self) -> None:
         self.resident = ResidentPeak()
+        self.resident.start()   # a first span now, so that ``available`` is known before any chunk is marked
         self.footprint = resident_bytes() or 0
         self._span = False
 

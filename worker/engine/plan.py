@@ -93,6 +93,7 @@ class StrategyRecord:
     seconds: LinearFit | None = None  # seconds of a chunk, in rows
     rates: dict[int, float] = field(default_factory=dict)   # rows/s measured per chunk size (the sizes timed)
     peaks: dict[int, int] = field(default_factory=dict)     # the largest peak bytes measured per chunk size
+    last_peaks: dict[int, int] = field(default_factory=dict)  # the latest job's peak per size (what a quote says)
     preferred_rows: int | None = None  # the chunk size kept: the last doubling that bought rows/s
     batch: int | None = None         # the batch size the fits were measured at
     peak_unseen: bool = False        # its chunks' peaks read 0: the allocator statistics do not see its memory
@@ -111,6 +112,7 @@ class StrategyRecord:
         out["seconds"] = None if self.seconds is None else [self.seconds.fixed, self.seconds.per_row]
         out["rates"] = {str(k): v for k, v in self.rates.items()}
         out["peaks"] = {str(k): v for k, v in self.peaks.items()}
+        out["last_peaks"] = {str(k): v for k, v in self.last_peaks.items()}
         return out
 
     @classmethod
@@ -124,6 +126,7 @@ class StrategyRecord:
                    seconds=None if seconds is None else LinearFit(float(seconds[0]), float(seconds[1])),
                    rates={int(k): float(v) for k, v in (data.get("rates") or {}).items()},
                    peaks={int(k): int(v) for k, v in (data.get("peaks") or {}).items()},
+                   last_peaks={int(k): int(v) for k, v in (data.get("last_peaks") or {}).items()},
                    preferred_rows=data.get("preferred_rows"), batch=data.get("batch"),
                    peak_unseen=bool(data.get("peak_unseen")), comparing=_comparing(data.get("comparing")),
                    peak_measure=str(data.get("peak_measure") or "allocator"))

@@ -47,8 +47,9 @@ def seen_strategy(problem: Problem, plan: Plan, applicable: list[str]) -> str:
         return max(known, key=lambda label: float(plan.strategies[label].best_rate() or 0.0))
     usable = [label for label in applicable if not is_unseen(plan, label)
               and (label not in plan.strategies or plan.strategies[label].usable)]
-    return tuning.default_order(usable, graph_ops=problem.model.graph_ops,
-                                second_order_loops=second_order_loops(problem))[0] if usable else plan.strategy
+    order = tuning.default_order(usable, graph_ops=problem.model.graph_ops,
+                                 second_order_loops=second_order_loops(problem))
+    return order[0] if order else plan.strategy   # none left (the default order names no eager): stay
 
 
 def avoid_unseen(run: ChunkRun, applicable: list[str], label: str) -> bool:
@@ -262,6 +263,7 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
     if k_c != k_small:
         for k, peak in ((k_small, peak_small), (k_c, max(peaks))):
             record.peaks[k] = max(record.peaks.get(k, 0), int(peak))
+            record.last_peaks[k] = int(peak)
         record.memory = fit_bound({k_small: peak_small, k_c: max(peaks)}) if max(peaks) > 0 else None
     ratio = float(np.median([c / i for i, c in zip(inc_times, cand_times)]))
     wins = tuning.candidate_wins(inc_times, cand_times)
