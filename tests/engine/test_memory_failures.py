@@ -128,8 +128,10 @@ def test_injected_ooms_leave_the_rows_right(small_mlp):
 
 
 # -- memory the statistics cannot see -----------------------------------------------------------------
-# TensorFlow 2.21 on this CPU counts allocations from about 128 KiB up, and XLA's chunks here read about what
-# the others do; memory the statistics miss is simulated by a probe that reads 0 for the first chunks.
+# TensorFlow 2.21 keeps no CPU allocator statistics in a fresh process (the probe reads 0 for every chunk), and
+# a host job measures its chunks by RSS instead; memory the statistics miss, where nothing else measures it, is
+# simulated by a probe that reads 0 for the first chunks and ``per_row`` bytes a row after, with /proc's peak
+# unavailable (``no_proc_peaks``) or on a GPU.
 
 
 def xla_plan(problem, *, unseen: bool) -> Plan:

@@ -39,8 +39,8 @@ MAX_CHUNK_ROWS = 4096
 HOST_SHARE = 0.5
 HOST_COPIES = 2
 SAFETY = 0.8   # chunks are planned to peak at no more than this share of the memory limit
-# TensorFlow's CPU allocator counts allocations from about 128 KiB up (smaller ones read 0), its GPU allocator
-# all of them: a chunk whose result alone is this large and whose peak reads 0 ran on memory it does not see.
+# A chunk whose result alone is this large and whose peak reads 0 ran on memory the allocator statistics miss
+# (the CPU's keep none in a fresh TensorFlow 2.21 process; a host job's RSS sees it: ``host_measured``).
 SEEN_BYTES = 1 << 20
 
 
