@@ -132,6 +132,7 @@ def test_a_candidate_whose_trial_does_not_pay_holds_back_no_other(wide):
     plan.work_s = 1e6
     second = run_problem(problem, options=RunOptions(try_xla=False), plan=plan)
     assert second.plan["trial"] is not None and second.plan["trial"]["candidate"] == "per_example", second.plan
+    assert second.plan["trial"]["wall_s"] > 0   # the whole trial, timed (compile, checks, pairs)
     assert second.learned.strategies["tiled"].status == "untried"
 
 
@@ -214,3 +215,17 @@ def test_a_job_runs_the_strategy_that_finishes_it_first_counting_compiles(loaded
     assert strategy_for_job(problem, plan, applicable, rows=1_000_000) == "vectorized"  # 10001 s vs 5100 s
     report = run_problem(problem, plan=plan)   # 15 rows: tiled runs, the plan still says vectorized
     assert report.plan["strategy"] == "tiled" and report.learned.strategy == "vectorized"
+
+
+def test_a_trial_stops_after_the_pair_that_shows_the_candidate_clearly_slower(wide, monkeypatch):
+    """``tuning.clearly_loses`` ends a trial's pairs early (a candidate 4x slower cost a 15 s trial for a 3 s
+    compile); its rows are still checked, and the trial says how many pairs it ran."""
+    from worker.engine import tuning
+
+    problem = build_problem(wide, {"x": rand((32, 64))}, kind="batch_jacobian")
+    plan = run_problem(problem, options=RunOptions(try_xla=False)).learned
+    plan.work_s = 1e6   # a trial pays
+    monkeypatch.setattr(tuning, "clearly_loses", lambda incumbent, candidate: True)
+    report = run_problem(problem, options=RunOptions(try_xla=False), plan=plan)
+    assert report.plan["trial"] is not None and report.plan["trial"]["pairs"] == 1, report.plan
+    assert report.plan["trial"]["wall_s"] > 0

@@ -89,6 +89,14 @@ def test_a_trial_runs_once_what_it_can_save_covers_its_cost():
     assert tuning.trial_pays(cost_s=10.0, remaining_s=0.1, past_work_s=40.0)      # repeated jobs: once paid
 
 
+def test_a_candidate_clearly_slower_in_every_pair_so_far_has_lost():
+    assert tuning.clearly_loses([1.0], [4.1])                      # one pair at 4x: no more pairs
+    assert not tuning.clearly_loses([1.0], [1.3])                  # within what noise and a warm-up can do
+    assert not tuning.clearly_loses([1.0, 1.0], [4.0, 1.2])        # not every pair: the pairs go on
+    assert not tuning.clearly_loses([], [])
+    assert not tuning.candidate_wins([1.0], [4.1])                 # and a trial stopped there keeps the incumbent
+
+
 def test_a_candidate_wins_on_the_median_of_paired_ratios_beyond_the_tie_band():
     incumbent = [1.0, 1.0, 1.0]
     assert tuning.candidate_wins(incumbent, [0.8, 0.9, 0.85])

@@ -4,6 +4,7 @@ a trial of an alternative timed against the incumbent at the job's chunk size, o
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -147,7 +148,9 @@ def maybe_trial(run: ChunkRun, applicable: list[str], *, rows_left: int, seconds
             run, c, rows_left=rows_left, seconds_per_row=seconds_per_row)), None)
         if candidate is None:
             return
+        t0 = time.perf_counter()
         run_trial(run, candidate)
+        run.status["trial"]["wall_s"] = round(time.perf_counter() - t0, 3)   # all of it: compile, checks, pairs
         if plan.strategy != incumbent:
             return  # the winner calibrates on the next chunks; further trials come after that
 
@@ -243,6 +246,9 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
             inc_times.append(s_inc / k_inc)
             cand_times.append(s_c / k_c)
             peaks.append(p_c)
+            if tuning.clearly_loses(inc_times, cand_times):
+                break
+        trial["pairs"] = len(inc_times)
     except Exception as err:  # noqa: BLE001 - a candidate that fails is ruled out, the job goes on
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise

@@ -48,6 +48,7 @@ FIRST_CALL_MARGIN = 1.25  # a new chunk size's first call can peak this much abo
 RECHECK_CHUNKS = 16       # a job re-checks its plan's chunk size when it has this many chunks of it to run
 EXPECTED_GAIN = 0.3       # what an alternative strategy may save, at most, as a fraction of the compute
 TIE_BAND = 0.05           # a candidate must be 5 % faster per row (median of pairs) to replace the incumbent
+CLEAR_LOSS = 1.5          # a candidate this many times slower per row in every pair so far has lost: no more pairs
 TRIAL_PAIRS = 3           # timed (incumbent, candidate) pairs in a trial
 # Compile cost of a strategy never compiled for this request, as a multiple of ``tiled``'s (a plain
 # gradient's trace), on MobileNetV3Small (``REFERENCE_GRAPH_OPS`` ops): pfor converts every op of the backward
@@ -204,6 +205,15 @@ def buy_compile(*, rent_job_s: float, best_rows_s: float, compile_s: float, regr
     """Whether to compile the faster strategy now: once the time lost by not having it (``regret_s``,
     earlier jobs in this process, plus this job's) reaches its compile time (2-competitive)."""
     return regret_s + max(rent_job_s - best_rows_s, 0.0) >= compile_s
+
+
+def clearly_loses(incumbent_s_per_row: list[float], candidate_s_per_row: list[float], *,
+                  factor: float = CLEAR_LOSS) -> bool:
+    """True when every pair so far has the candidate ``factor`` times slower per row: the remaining pairs could
+    not make it win (noise on 2 busy cores is 5-30 %), and each costs two of its slow calls (``tiled+xla`` on
+    MobileNet on an AVX2 machine: 4.1x slower, a 15 s trial for a 3 s compile)."""
+    return bool(incumbent_s_per_row) and all(c >= factor * i for i, c in zip(incumbent_s_per_row,
+                                                                              candidate_s_per_row))
 
 
 def candidate_wins(incumbent_s_per_row: list[float], candidate_s_per_row: list[float], *,
