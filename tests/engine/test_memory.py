@@ -8,33 +8,14 @@ import pytest
 
 from tests import models
 from tests.engine.conftest import rand
+from tests.engine.probes import Probe
 from tests.engine.reference import tape_jacobian
-from worker.engine import RunOptions, TFMemoryProbe, build_problem, compute_in_memory, load_model, run_problem
+from worker.engine import RunOptions, build_problem, compute_in_memory, load_model, run_problem
 
 
 @pytest.fixture(scope="module")
 def wide_mlp(tmp_path_factory):
     return load_model(str(models.mlp(tmp_path_factory.mktemp("wide") / "mlp", sizes=(256, 512, 512, 256))))
-
-
-class InjectedProbe(TFMemoryProbe):
-    """The real probe, with an injected free-memory reading and OOMs above ``oom_above_rows``."""
-
-    def __init__(self, *, free_bytes: int | None = None, oom_above_rows: int | None = None):
-        super().__init__("CPU:0")
-        self._free = free_bytes
-        self.oom_above_rows = oom_above_rows
-        self.chunks: list[int] = []
-
-    def free_bytes(self) -> int:
-        return self._free if self._free is not None else super().free_bytes()
-
-    def before_chunk(self, rows: int) -> None:
-        import tensorflow as tf
-
-        self.chunks.append(rows)
-        if self.oom_above_rows is not None and rows > self.oom_above_rows:
-            raise tf.errors.ResourceExhaustedError(None, None, f"injected OOM at {rows} rows")
 
 
 def _run(model, inputs, rows, **kw):
@@ -53,12 +34,21 @@ def test_peak_stays_within_the_byte_budget(wide_mlp, budget_mb):
     assert report.peak_bytes <= budget, (report.peak_bytes, budget, report.plan)
 
 
+def per_row_probe(**kw) -> Probe:
+    """Allocator readings of three result rows a row (the wide MLP's rows are 64 KiB) over 1 MiB: the planning
+    tests below are about the planner, not about the RSS noise of a process that ran other tests."""
+    return Probe(per_row=3 * 64 * 1024, fixed=1 << 20, **kw)
+
+
 def test_a_tighter_budget_gives_a_smaller_chunk(wide_mlp):
     inputs = {"x": rand((64, 256))}
-    tight = _run(wide_mlp, inputs, 512, memory_budget_bytes=12 << 20)
-    loose = _run(wide_mlp, inputs, 512, memory_budget_bytes=64 << 20)
+    tight_probe = per_row_probe()
+    tight = _run(wide_mlp, inputs, 512, memory_budget_bytes=12 << 20, probe=tight_probe)
+    loose = _run(wide_mlp, inputs, 512, memory_budget_bytes=64 << 20, probe=per_row_probe())
     assert tight.plan["chunk_rows"] < loose.plan["chunk_rows"], (tight.plan, loose.plan)
-    assert tight.peak_bytes <= 12 << 20, tight.peak_bytes
+    # every chunk the tight job ran, calibration included, within the budget's usable share
+    assert tight.peak_bytes <= 12 << 20 and tight_probe.fixed + tight_probe.per_row * max(tight_probe.chunks) \
+        <= 12 << 20, (tight.peak_bytes, tight_probe.chunks)
 
 
 def test_peak_is_flat_in_the_number_of_rows(wide_mlp):
@@ -84,19 +74,17 @@ def test_peak_is_flat_in_the_number_of_rows(wide_mlp):
 
 def test_less_free_memory_gives_a_smaller_chunk(wide_mlp):
     inputs = {"x": rand((64, 256))}
-    plenty = _run(wide_mlp, inputs, 256, probe=InjectedProbe())
-    # below the 256 MiB budget, and below what 128 rows take at two result rows a row (the memory line's
-    # floor), whatever the RSS deltas measured
-    scarce = _run(wide_mlp, inputs, 256, probe=InjectedProbe(free_bytes=16 << 20))
-    assert scarce.plan["chunk_rows"] < plenty.plan["chunk_rows"]
-    assert scarce.plan["free_bytes_at_start"] == 16 << 20
+    plenty = _run(wide_mlp, inputs, 256, probe=per_row_probe())
+    scarce = _run(wide_mlp, inputs, 256, probe=per_row_probe(free_bytes=16 << 20))  # below the 256 MiB budget
+    assert scarce.plan["chunk_rows"] < plenty.plan["chunk_rows"], (scarce.plan, plenty.plan)
+    assert scarce.plan["free_bytes_at_start"] == 16 << 20 and scarce.peak_bytes <= 16 << 20, scarce.plan
 
 
 def test_injected_oom_halves_the_chunk_and_the_job_finishes(loaded):
     model = loaded("cnn")
     inputs = {"image": rand((2, 8, 8, 3))}
     want = tape_jacobian(model, inputs, "logits", "image")
-    probe = InjectedProbe(oom_above_rows=2)
+    probe = Probe(oom_above_rows=2)
     plans = []
     got, report = compute_in_memory(model, inputs, chunk_rows=8, probe=probe, strategy="vectorized",
                                     on_plan=plans.append)
@@ -110,7 +98,7 @@ def test_oom_at_one_row_is_a_clear_error(loaded):
     from worker.engine import MemoryBudgetTooSmall
 
     with pytest.raises(MemoryBudgetTooSmall, match="memory_budget_bytes: out of memory even at one row") as info:
-        compute_in_memory(loaded("mlp"), {"x": rand((3, 8))}, chunk_rows=4, probe=InjectedProbe(oom_above_rows=0),
+        compute_in_memory(loaded("mlp"), {"x": rand((3, 8))}, chunk_rows=4, probe=Probe(oom_above_rows=0),
                           strategy="vectorized")
     assert "cannot be split further" in str(info.value), info.value
 

@@ -9,8 +9,9 @@ import pytest
 
 from tests import models
 from tests.engine.conftest import rand
+from tests.engine.probes import Probe
 from tests.engine.reference import tape_jacobian
-from worker.engine import Plan, RunOptions, TFMemoryProbe, build_problem, load_model, run_problem
+from worker.engine import Plan, RunOptions, build_problem, load_model, run_problem
 from worker.engine.chunk_run import ChunkRun
 from worker.engine.memory import is_out_of_memory
 from worker.engine.trial import run_trial
@@ -26,46 +27,6 @@ def small_mlp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def wide_mlp(tmp_path_factory):
     return load_model(str(models.mlp(tmp_path_factory.mktemp("wide") / "mlp", sizes=(256, 512, 512, 256))))
-
-
-def oom(kind: str = "resource"):
-    import tensorflow as tf
-
-    if kind == "cublas":
-        return tf.errors.InternalError(None, None, "Blas xGEMM launch failed: CUBLAS_STATUS_ALLOC_FAILED")
-    return tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[4096,512]")
-
-
-class Probe(TFMemoryProbe):
-    """The real CPU probe; OOMs above ``oom_above_rows`` rows or while ``failing``; ``is_gpu`` as told;
-    the first ``blind_chunks`` peaks read 0; with ``per_row`` the others read that many bytes a row, as
-    allocator statistics that are on would (TensorFlow 2.21 keeps none on the CPU: the real probe reads 0)."""
-
-    def __init__(self, *, oom_above_rows: int | None = None, is_gpu: bool = False, free_bytes: int | None = None,
-                 blind_chunks: int = 0, per_row: int | None = None):
-        super().__init__("CPU:0")
-        self.oom_above_rows, self.failing, self._gpu, self._free = oom_above_rows, None, is_gpu, free_bytes
-        self.blind_chunks = blind_chunks  # the next chunks' peaks read 0, as memory the statistics miss
-        self.per_row = per_row
-        self.chunks: list[int] = []
-
-    def peak_bytes(self) -> int:
-        if self.blind_chunks > 0:
-            self.blind_chunks -= 1
-            return 0
-        return self.per_row * self.chunks[-1] if self.per_row is not None else super().peak_bytes()
-
-    @property
-    def is_gpu(self) -> bool:
-        return self._gpu
-
-    def free_bytes(self) -> int:
-        return self._free if self._free is not None else super().free_bytes()
-
-    def before_chunk(self, rows: int) -> None:
-        self.chunks.append(rows)
-        if self.failing or (self.oom_above_rows is not None and rows > self.oom_above_rows):
-            raise oom(self.failing or "resource")
 
 
 @pytest.mark.parametrize("message,expected", [
@@ -103,10 +64,10 @@ def test_an_oom_in_calibration_is_kept_in_the_plan_for_the_next_job(wide_mlp):
     problem = build_problem(wide_mlp, {"x": rand((64, 256))})
     options = dict(ranges=[(0, 1024)], options=RunOptions(strategy="vectorized", throughput_cap=False,
                                                           memory_budget_bytes=256 << 20))
-    calibrating = Probe(oom_above_rows=32)
+    calibrating = Probe(oom_above_rows=32, per_row=3 * 64 * 1024)   # allocator readings: no RSS noise
     first = run_problem(problem, probe=calibrating, **options)
     assert first.plan["oom_retries"] == 1 and calibrating.chunks[:5] == [8, 16, 32, 64, 32], calibrating.chunks
-    probe = Probe(oom_above_rows=32)
+    probe = Probe(oom_above_rows=32, per_row=3 * 64 * 1024)
     second = run_problem(problem, plan=first.learned, probe=probe, **options)
     assert second.plan["oom_retries"] == 0, (probe.chunks, second.plan)
     assert max(probe.chunks) <= 32
@@ -150,6 +111,12 @@ def test_a_strategy_known_to_read_zero_is_not_chosen_under_a_budget(small_mlp):
                          on_plan=lambda p: seen.append(p["strategy"]))
     assert XLA not in seen and report.plan["strategy"] != XLA, seen
     assert report.learned.strategy == XLA  # the plan's choice for jobs without a budget stands
+    # Without a budget the mark does not count: the job runs the plan's choice. The rates the budgeted job
+    # measured of the others are dropped: on this small MLP they tie with XLA's, and which reads faster in a
+    # given run is noise (CI once read `vectorized` faster and rightly ran it).
+    for label, record in report.learned.strategies.items():
+        if label != XLA:
+            record.rates.clear()
     unbudgeted = run_problem(problem, options=RunOptions(chunk_rows=256), plan=report.learned)
     assert unbudgeted.plan["strategy"] == XLA
 
@@ -202,9 +169,10 @@ def test_small_chunks_that_read_zero_are_not_taken_for_unseen_memory(small_mlp):
 
 
 def test_a_host_job_under_a_budget_keeps_its_strategy_where_the_allocator_keeps_no_statistics(small_mlp):
-    """TensorFlow 2.21 keeps no CPU allocator statistics in a fresh process: every chunk reads 0. Chunks of
-    2 MiB of rows were taken for unseen memory, and under a budget the job fell from strategy to strategy down
-    to the eager loop; where /proc measures the process's peak nothing is unseen."""
+    """TensorFlow 2.21 keeps no CPU allocator statistics in a fresh process on some machines (the AVX2 VM: every
+    chunk read 0; on others they are on). Chunks of 2 MiB of rows were taken for unseen memory, and under a budget
+    the job fell from strategy to strategy down to the eager loop; where /proc measures the process's peak nothing
+    is unseen. The probe reads 0, as there."""
     from worker.engine.host_peak import ResidentPeak
 
     resident = ResidentPeak()
@@ -215,7 +183,7 @@ def test_a_host_job_under_a_budget_keeps_its_strategy_where_the_allocator_keeps_
     assert 256 * problem.layout.row_bytes >= 1 << 20
     seen: list[str] = []
     report = run_problem(problem, options=RunOptions(memory_budget_bytes=256 << 20, chunk_rows=256),
-                         on_plan=lambda p: seen.append(p["strategy"]))
+                         probe=Probe(per_row=0), on_plan=lambda p: seen.append(p["strategy"]))
     assert report.plan["strategy"] not in ("eager", "loop") and len(set(seen)) == 1, seen
     assert not any(record.peak_unseen for record in report.learned.strategies.values())
     assert report.learned.record(report.plan["strategy"]).peak_measure == "process_rss"
