@@ -120,6 +120,32 @@ def test_a_trial_runs_when_earlier_jobs_of_the_plan_pay_for_it(wide):
     assert second.learned.refined  # nothing left to try without XLA
 
 
+def test_the_status_says_where_a_jobs_seconds_went_trial_included(wide):
+    """``time``: every call by strategy and size (the trial's candidate among them), the eager checks, the
+    hand-over of rows, and what none of them accounts for; the parts add up to the run's wall time."""
+    import time
+
+    problem = build_problem(wide, {"x": rand((32, 64))})
+    first = run_problem(problem, options=RunOptions(try_xla=False), ranges=[(0, 128)])
+    plan = first.learned
+    plan.work_s = 1e6                                # a trial pays
+    chunks = []
+
+    def slow_writer(start, rows):
+        chunks.append(len(rows))
+        time.sleep(0.02)
+
+    report = run_problem(problem, options=RunOptions(try_xla=False), plan=plan, on_chunk=slow_writer)
+    spent = report.plan["time"]
+    labels = {label for label, *_ in spent["calls"]}
+    assert report.plan["trial"] is not None and {"tiled", "vectorized"} <= labels, spent
+    assert all(n >= 1 and seconds >= slowest > 0 for _, _, _, n, seconds, slowest in spent["calls"]), spent
+    assert spent["deliver_s"] >= 0.02 * len(chunks) and spent["reference_s"] > 0, spent  # new sizes checked
+    parts = spent["calls_s"] + spent["reference_s"] + spent["deliver_s"] + spent["other_s"]
+    assert abs(parts - spent["wall_s"]) < 0.01 and spent["wall_s"] <= report.seconds, (spent, report.seconds)
+    assert spent["calls_s"] == pytest.approx(sum(c[4] for c in spent["calls"]), abs=0.01)
+
+
 def test_a_candidate_whose_trial_does_not_pay_holds_back_no_other(wide):
     """``tiled`` comes first among the candidates, but with a (known) compile far beyond what the plan's
     work can repay its trial does not pay; ``per_example``'s does, and it is tried."""

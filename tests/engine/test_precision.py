@@ -12,7 +12,7 @@ from contracts.jobspec import JobOptions
 from tests import models
 from tests.engine.conftest import rand
 from worker.engine import build_problem, load_model
-from worker.engine.chunk_run import rows_agree
+from worker.engine.agreement import rows_agree
 from worker.engine.devices import prepare_gpus, tensor_float_32
 
 

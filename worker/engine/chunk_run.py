@@ -5,15 +5,14 @@ grown on the job's own chunks (``worker.engine.ladder``), and shrinking on out-o
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from worker.engine import tf_logs, tuning
+from worker.engine.agreement import rows_agree
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
 from worker.engine.host_peak import HostPeaks
 from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
@@ -30,6 +29,7 @@ from worker.engine.planner import (
 )
 from worker.engine.problem import Problem, error_summary
 from worker.engine.strategies import ChunkKey, allocator_blind, chunk_function, is_compiled
+from worker.engine.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -42,55 +42,6 @@ SAFETY = 0.8   # chunks are planned to peak at no more than this share of the me
 # A chunk whose result alone is this large and whose peak reads 0 ran on memory the allocator statistics miss
 # (the CPU's keep none in a fresh TensorFlow 2.21 process; a host job's RSS sees it: ``host_measured``).
 SEEN_BYTES = 1 << 20
-
-
-TF32_TOLERANCE = 1e-2
-
-
-def tf32_enabled() -> bool:
-    tf = sys.modules.get("tensorflow")
-    return bool(tf is not None and tf.config.experimental.tensor_float_32_execution_enabled())
-
-
-def rows_agree(got: np.ndarray, want: np.ndarray) -> bool:
-    """Equal up to 1e-4 (1e-3 for 16-bit floats, 1e-2 with TensorFloat-32 on) of ``want``'s largest finite
-    magnitude, with NaN and infinities in the same places (``tape.jacobian`` of ``sqrt`` at 0 is inf, and so
-    must ours be)."""
-    a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
-        return False
-    if not np.array_equal(np.isposinf(a), np.isposinf(b)) or not np.array_equal(np.isneginf(a), np.isneginf(b)):
-        return False
-    finite = np.isfinite(b)
-    if not finite.any():
-        return True
-    scale = float(np.abs(b[finite]).max()) or 1.0
-    tol = 1e-3 if np.asarray(got).dtype.itemsize <= 2 else 1e-4
-    if tf32_enabled():  # a job that asked for precision "tf32": matmul inputs carry 10 bits of mantissa
-        tol = max(tol, TF32_TOLERANCE)
-    return bool(np.abs(a[finite] - b[finite]).max() <= tol * scale)
-
-
-@dataclass(frozen=True)
-class Adjoint:
-    """A JVP probe's reference: ``w = J^T u`` for a random ``u`` (``Operator._adjoint``)."""
-
-    u: np.ndarray
-    w: np.ndarray
-
-
-def agrees(row: np.ndarray, seed: np.ndarray, reference: Any) -> bool:
-    """A probe row against its reference: equal rows (``rows_agree``), or for an ``Adjoint`` the dot-product
-    test ``u . row == w . seed`` within ``rows_agree``'s tolerance of the products' Cauchy-Schwarz bound."""
-    if not isinstance(reference, Adjoint):
-        return rows_agree(row, reference)
-    row64, seed64 = np.asarray(row, np.float64), np.asarray(seed, np.float64)
-    if not np.isfinite(row64).all():
-        return False
-    u, w = reference.u.astype(np.float64), reference.w.astype(np.float64)
-    bound = max(float(np.linalg.norm(u) * np.linalg.norm(row64)), float(np.linalg.norm(w) * np.linalg.norm(seed64)))
-    tol = 1e-3 if np.asarray(row).dtype.itemsize <= 2 else 1e-4
-    return abs(float(u @ row64) - float(w @ seed64)) <= tol * max(bound, 1e-300)
 
 
 class ChunkRun:
@@ -122,7 +73,7 @@ class ChunkRun:
         self.delivered: list[tuple[int, int, str]] = []   # (start, stop, label) of each chunk handed on
         self.wrong_delivered: list[tuple[int, int]] = []  # rows handed on by a strategy later found wrong
         self._tiled_running = False
-        self.peak = 0
+        self.peak, self.timeline = 0, Timeline()
         self.status: dict[str, Any] = {
             "chunk_rows": None, "strategy": plan.strategy, "mode": problem.mode,
             "free_bytes_at_start": self.free_at_start, "bytes_per_row": None, "fixed_bytes": None,
@@ -157,7 +108,7 @@ class ChunkRun:
         device. Raises what the strategy raises.
         """
         _, xla = parse_label(label)
-        k = max(n, k or n)
+        k, t_call = max(n, k or n), time.perf_counter()   # the call's whole time (trace, peaks) for the timeline
         if xla:
             k = bucket_rows(k)
         first = not is_compiled(self.problem, label)
@@ -182,6 +133,7 @@ class ChunkRun:
         self.peak = max(self.peak, peak)
         self.problem.model.compiled.sizes(self.key(label)).add(k)
         self.rows_run += n
+        self.timeline.call(label, k, self.new_size, time.perf_counter() - t_call)
         return rows, seconds, peak, first
 
     @property
@@ -203,6 +155,7 @@ class ChunkRun:
             label = "eager"
             if self.problem.mode == "reverse" and self.plan.record("tiled").status == "ok" or self._tiled_running:
                 label = "tiled"
+            t0 = time.perf_counter()
             try:
                 self.eager_rows[row] = np.asarray(chunk_function(self.problem, label)(row, 1))[0]
             except EngineError:
@@ -210,6 +163,8 @@ class ChunkRun:
             except Exception as err:  # noqa: BLE001 - no reference: rows cannot be checked
                 log.info("no reference row %d (%s); rows are not checked", row, error_summary(err))
                 return None
+            finally:
+                self.timeline.reference_s += time.perf_counter() - t0
         return self.eager_rows[row]
 
     def verify(self, label: str, start: int, rows: np.ndarray, k: int) -> bool:

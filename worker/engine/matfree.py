@@ -23,7 +23,7 @@ How a product is computed (a *label*, ``route/strategy``):
   ``jvp``, ``reverse/rows``: ``J`` from VJPs, kept, where forward mode and second derivatives fail (``jvp_rows``).
 
 The first call of a kind tries the labels in that order on its seeds plus one random probe seed,
-whose row is checked against an eager reverse-mode product (``chunk_run.rows_agree``; a JVP row ``J t`` by
+whose row is checked against an eager reverse-mode product (``agreement.rows_agree``; a JVP row ``J t`` by
 the dot-product test ``u . J t = (J^T u) . t`` against one eager VJP, a single backward pass); the first label
 that runs and agrees is kept for the operator (and, through ``worker.execution.operators``, for later jobs
 and processes). Compiled functions are cached on the loaded model (``model.compiled``) and the chosen one's
@@ -47,7 +47,7 @@ from contracts import rules
 from contracts.jobspec import MATRIX_FREE_HESSIAN_KINDS, MATRIX_FREE_KINDS, PRODUCT_KINDS
 from contracts.kinds import kind_spec
 from worker.engine import jvp_rows, matfree_rules, pfor_patches, product_labels, tf_logs, trace_cache
-from worker.engine.chunk_run import Adjoint, agrees
+from worker.engine.agreement import Adjoint, agrees
 from worker.engine.errors import EngineError, InvalidRequest, MemoryBudgetTooSmall, Stopped
 from worker.engine.matfree_result import MatFreeResult
 from worker.engine.memory import is_out_of_memory

@@ -15,7 +15,8 @@ import numpy as np
 
 from contracts.layout import Block
 from worker.engine import tuning
-from worker.engine.chunk_run import ChunkRun, rows_agree
+from worker.engine.agreement import rows_agree
+from worker.engine.chunk_run import ChunkRun
 from worker.engine.devices import prepare_gpus
 from worker.engine.errors import EngineError, NotDifferentiable, Stopped, WrongRowsDelivered
 from worker.engine.memory import MemoryProbe, TFMemoryProbe, is_out_of_memory
@@ -167,7 +168,9 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
                 run.shrink(label, n, oom=False)  # the fit under-predicted: shrink before the next chunk
             run.measured(label, k, seconds, peak, first, pending - rows_done - n, warm=not run.new_size)
             if on_chunk:
+                t_deliver = time.perf_counter()
                 on_chunk(start, rows)
+                run.timeline.deliver_s += time.perf_counter() - t_deliver
             run.delivered.append((start, start + n, label))
             run.last = (start, rows, label, peak)
             run.last_peak = peak
@@ -189,6 +192,7 @@ def execute(run: ChunkRun, todo: list[tuple[int, int]], applicable: list[str], *
                         ranges=list(run.wrong_delivered), learned=run.plan)
     if run.status.get("chunk_rows") is not None:  # the measured figures, for the report (no callback)
         run.publish(run.plan.strategy, run.status["chunk_rows"], final=True)
+    run.status["time"] = run.timeline.to_json()
     return rows_done, compute_s
 
 

@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 
 from worker.engine import tuning
-from worker.engine.chunk_run import ChunkRun, rows_agree
+from worker.engine.agreement import rows_agree
+from worker.engine.chunk_run import ChunkRun
 from worker.engine.errors import NotDifferentiable
 from worker.engine.ladder import Ladder
 from worker.engine.memory import is_out_of_memory
-from worker.engine.plan import Plan
+from worker.engine.plan import Plan, parse_label
 from worker.engine.planner import fit_bound
 from worker.engine.problem import Problem, error_summary
 from worker.engine.strategies import is_compiled, second_order_loops
@@ -173,7 +174,10 @@ def _pays(run: ChunkRun, candidate: str, *, rows_left: int, seconds_per_row: flo
     """``tuning.trial_pays`` for ``candidate``: its estimated compile plus the trial's chunks, against
     this job's remaining seconds and what earlier jobs of the plan spent."""
     assert run.last is not None
-    cost = estimated_compile(run, candidate) + (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * len(run.last[1])
+    k = len(run.last[1])
+    # an XLA candidate compiles at a quarter of the chunk and again at the chunk (one compile per shape)
+    compiles = 2 if parse_label(candidate)[1] and max(1, k // 4) != k else 1
+    cost = compiles * estimated_compile(run, candidate) + (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * k
     return tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row, past_work_s=run.plan.work_s)
 
 
@@ -230,8 +234,10 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
                 record.status, record.reason = "too_much_memory", f"{peak_small} bytes at {k_small} rows"
                 trial["result"] = record.reason
                 return
+        recompile_s = None   # XLA compiles each shape: the first call at the trial's size compiles again
         if k_c != k_small:
-            rows, _, _, _ = run.call(candidate, start, k_c)
+            rows, seconds, _, _ = run.call(candidate, start, k_c)
+            recompile_s = seconds if parse_label(candidate)[1] and run.new_size else None
             if not _rows_hold(run, trial, candidate, start, rows, ref):
                 return
         inc_times, cand_times, peaks = [], [], []
@@ -263,8 +269,9 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
         return
     record.status = "ok"  # its rows agreed with the eager reference rows and with the incumbent's
     record.rates[k_c] = round(1.0 / float(np.median(cand_times)), 3)
-    if record.compile_s is not None:
-        record.compile_s = round(max(record.compile_s - float(np.median(cand_times)) * k_small, 0.0), 3)
+    if record.compile_s is not None:   # a compile at the job's size: the larger of the two sizes' for XLA
+        steady = float(np.median(cand_times))
+        record.compile_s = round(max(record.compile_s - steady * k_small, (recompile_s or 0.0) - steady * k_c, 0.0), 3)
     learn_compile(run, candidate, estimate, trial)
     if k_c != k_small:
         for k, peak in ((k_small, peak_small), (k_c, max(peaks))):

@@ -164,7 +164,7 @@ def verify(op: Any, pattern: Any, colouring: Colouring, products: np.ndarray,
 
 def tolerance(dtype: Any) -> float:
     """Verification's relative tolerance for products computed in ``dtype`` (TensorFloat-32 widens it)."""
-    from worker.engine.chunk_run import TF32_TOLERANCE, tf32_enabled
+    from worker.engine.agreement import TF32_TOLERANCE, tf32_enabled
 
     try:
         itemsize = np.dtype(dtype).itemsize
