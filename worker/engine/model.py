@@ -50,6 +50,7 @@ class CompiledChunks:
             fn = self._fns.get(key)
             if fn is None:
                 fn = self._fns[key] = build()
+                self._sizes.pop(key, None)   # a new function: no size has run with it
             return fn
 
     def __contains__(self, key: Any) -> bool:
