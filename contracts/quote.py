@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -210,8 +210,16 @@ def _line(value: Any, scale: float = 1.0) -> tuple[float, float] | None:
     return None if not value else (float(value[0]) * scale, float(value[1]) * scale)
 
 
+class PlanPrediction(NamedTuple):
+    peak: int               # bytes: the latest job's peak at ``chunk_rows`` where it ran, else the memory line
+    bound: int              # bytes: the largest peak any job measured there, else the memory line
+    seconds: float | None   # steady seconds of the rows (no first calls)
+    chunk_rows: int
+    strategy: str
+
+
 def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_rows: int | None,
-               budget: int | None) -> tuple[tuple[int, int], float | None, int, str]:
+               budget: int | None) -> PlanPrediction:
     """Peak bytes (predicted, bound), seconds and chunk rows the plan's strategy predicts for ``rows``. When the
     plan ran that chunk size at this batch: the latest job's peak there, and the largest any job measured (a
     bound); else its memory line, a bound, for both. Raises KeyError/ValueError when the plan has no memory line.
@@ -245,7 +253,7 @@ def _from_plan(plan: Mapping[str, Any], rows: int, *, batch: int | None, chunk_r
     else:
         rates = record.get("rates") or {}
         secs = rows / max(map(float, rates.values())) if rates else None
-    return (peak, bound), secs, k, label
+    return PlanPrediction(peak, bound, secs, k, label)
 
 
 def first_call_sizes(label: str, rows: int, k: int, *, timed: Any = (), forced: bool = False) -> list[int]:
@@ -317,8 +325,8 @@ def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], 
     if plan is not None and passes.unit == "rows" and passes.count:
         try:
             batch = wrt_shape[0] if kind.batch_axis and wrt_shape else None
-            (peak, bound), secs, k, label = _from_plan(plan, passes.count, batch=batch, chunk_rows=spec.chunk_rows,
-                                                       budget=budget)
+            peak, bound, secs, k, label = _from_plan(plan, passes.count, batch=batch, chunk_rows=spec.chunk_rows,
+                                                     budget=budget)
             when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(plan.get("updated_at") or 0)))
             rss = plan["strategies"][label].get("peak_measure") == "process_rss"
             fields = {"predicted_peak_bytes": peak, "peak_bound_bytes": bound, "predicted_chunk_rows": k,
