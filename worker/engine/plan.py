@@ -86,7 +86,8 @@ class StrategyRecord:
     reason: str | None = None
     verified: bool = False           # its rows matched the eager reference rows (at some chunk size)
     verified_rows: list[int] = field(default_factory=list)   # the chunk sizes whose rows were checked
-    compile_s: float | None = None   # first call minus a steady call of the same size
+    compile_s: float | None = None   # first call minus a steady call of the same size (XLA, which compiles each
+                                     # shape: the larger of a trial's two sizes')
     compile_factor: float | None = None   # its compile as a multiple of ``tiled``'s, measured by a trial whose
                                           # compile exceeded the estimate (``worker.engine.tuning.learned_factor``)
     memory: LinearFit | None = None  # peak bytes of a chunk, in rows: at or above every measured peak
