@@ -100,11 +100,19 @@ def build_model(name: str, work: Path) -> tuple[Path, str, str]:
 
 
 def chunk_figures(manifest_path: Path, what: str) -> tuple[dict, list[str]]:
-    """The largest chunk run and the largest size timed, from a run's manifest; and its problems."""
+    """The largest chunk run and the largest size timed, from a run's manifest, the strategy, where the run's
+    seconds went (``plan.time``: the run's wall, its calls', the calls at new sizes', the rest; a trial's wall);
+    and its problems."""
     plan = json.loads(manifest_path.read_text()).get("plan") or {}
     runs = plan.get("chunks_run") or []
     figures = {"max_chunk": max((size for size, _ in runs), default=None),
-               "max_timed": max(plan.get("timed_rows") or [0]), "kept": plan.get("chunk_rows")}
+               "max_timed": max(plan.get("timed_rows") or [0]), "kept": plan.get("chunk_rows"),
+               "strategy": plan.get("strategy")}
+    spent = plan.get("time") or {}
+    if spent:
+        figures["run_s"] = {"wall": spent.get("wall_s"), "calls": spent.get("calls_s"), "other": spent.get("other_s"),
+                            "new_sizes": round(sum(c[4] for c in spent.get("calls", []) if c[2]), 3),
+                            "trial": (plan.get("trial") or {}).get("wall_s")}
     return figures, chunk_growth_problems(plan, what)
 
 
@@ -175,8 +183,6 @@ def bench(args: argparse.Namespace) -> None:
             assert_same(ours, want.reshape(ours.shape), f"{phase} run {i}: ours vs "
                         + ("the JAX peer" if peer_failed else "tape.jacobian"), rel=1e-3 if peer_failed else 1e-4)
             res["chunks"], found = chunk_figures(work / "results" / job / "manifest.json", f"{phase} run {i}")
-            res["chunks"]["strategy"] = (json.loads((work / "results" / job / "manifest.json").read_text())
-                                         .get("plan") or {}).get("strategy")
             problems += found
             shutil.rmtree(work / "results" / job)
         if jax is not None:
