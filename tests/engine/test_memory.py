@@ -91,6 +91,10 @@ def test_injected_oom_halves_the_chunk_and_the_job_finishes(loaded):
     assert report.plan["oom_retries"] == 2 and report.plan["chunk_rows"] == 2
     assert [p["chunk_rows"] for p in plans] == [8, 4, 2]
     assert probe.chunks[:3] == [8, 4, 2] and set(probe.chunks[3:]) == {2}
+    # the calls that ran out of memory are in the run's timeline, apart from those that delivered rows
+    spent = report.plan["time"]
+    assert [(c[0], c[1], c[3]) for c in spent["failed_calls"]] == [("vectorized", 8, 1), ("vectorized", 4, 1)], spent
+    assert {c[1] for c in spent["calls"]} == {2}, spent
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 

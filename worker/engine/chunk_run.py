@@ -63,6 +63,7 @@ class ChunkRun:
         self.first_call: dict[str, tuple[int, float]] = {}   # per strategy: its first call's size and seconds
         self.chunks_run: dict[int, int] = {}       # planned chunk size -> the least largest-timed size before it
         self.new_size = False                      # the last call's size had not run before in this process
+        self.call_rows = 0                         # the last call's rows (XLA: its power of two)
         self.rows_run = 0
         self.pending = problem.rows_total
         self.k_cap: dict[str, int] = {}
@@ -105,12 +106,24 @@ class ChunkRun:
         ``(rows, seconds, peak bytes, first call)``.
 
         XLA runs a power-of-two ``k`` (one compile per size); surplus rows are sliced off on the
-        device. Raises what the strategy raises.
+        device. Raises what the strategy raises. The call's whole time (trace, peaks) goes to the timeline,
+        a failed call's too.
         """
+        t_call = time.perf_counter()
+        try:
+            out = self._call(label, start, n, k)
+        except BaseException:
+            self.timeline.call(label, self.call_rows, self.new_size, time.perf_counter() - t_call, failed=True)
+            raise
+        self.timeline.call(label, self.call_rows, self.new_size, time.perf_counter() - t_call)
+        return out
+
+    def _call(self, label: str, start: int, n: int, k: int | None) -> tuple[np.ndarray, float, int, bool]:
         _, xla = parse_label(label)
-        k, t_call = max(n, k or n), time.perf_counter()   # the call's whole time (trace, peaks) for the timeline
+        k = max(n, k or n)
         if xla:
             k = bucket_rows(k)
+        self.call_rows = k
         first = not is_compiled(self.problem, label)
         self.new_size = first or k not in self.problem.model.compiled.sizes(self.key(label))
         fn = chunk_function(self.problem, label)
@@ -133,7 +146,6 @@ class ChunkRun:
         self.peak = max(self.peak, peak)
         self.problem.model.compiled.sizes(self.key(label)).add(k)
         self.rows_run += n
-        self.timeline.call(label, k, self.new_size, time.perf_counter() - t_call)
         return rows, seconds, peak, first
 
     @property
