@@ -302,6 +302,32 @@ def test_a_new_chunk_size_whose_first_call_costs_more_than_a_doubling_saves_is_n
     assert run.can_grow_to("vectorized", 2 * ladder.size, rows_left=1000)
 
 
+def test_a_plans_kept_size_is_rechecked_only_where_the_smaller_sizes_first_call_is_repaid(small_mlp):
+    """A warm job re-checks its plan's kept size against half of it; in a new process that half's first call is
+    a trace (conv1d: 1 s of a 3 s run, transformer likewise), which a comparison must repay at a doubling's gain
+    in the job's rows, as a doubling must (``ChunkRun.repays_first_call``)."""
+    from worker.engine.ladder import GROWTH_GAIN
+    from worker.engine.planner import LinearFit
+
+    problem = build_problem(small_mlp, {"x": rand((256, 8))})
+    steady_s = problem.rows_total / 1500.0      # the job's rows at the kept size's rate
+
+    def started(compile_s: float):
+        plan = Plan(strategy="vectorized")
+        record = plan.record("vectorized")
+        record.rates, record.preferred_rows, record.compile_s = {8: 1000.0, 16: 1500.0}, 16, compile_s
+        record.memory, record.peaks = LinearFit(0.0, 1000.0), {8: 8000, 16: 16000}
+        run = ChunkRun(problem, plan, Probe(), budget=None, chunk_rows=None, throughput_cap=True, refine="never",
+                       try_xla=False, pinned=False, on_plan=None)
+        problem.model.compiled.sizes(run.key("vectorized")).discard(8)   # as in a new process
+        return run.ladder("vectorized")
+
+    cheap, dear = started(0.5 * GROWTH_GAIN * steady_s), started(2.0 * GROWTH_GAIN * steady_s)
+    assert cheap.size == 16 and cheap.comparison is not None, cheap
+    assert (cheap.comparison.small, cheap.comparison.large) == (8, 16)
+    assert dear.size == 16 and dear.comparison is None, dear
+
+
 def test_the_plan_keeps_the_largest_peak_as_its_bound_and_the_latest_jobs_for_a_quote(small_mlp):
     """Peaks per chunk size: ``peaks`` the largest any job measured (the planner's bound), ``last_peaks`` the
     latest job's (what a quote predicts), both kept in the stored plan."""

@@ -142,7 +142,8 @@ def test_the_status_says_where_a_jobs_seconds_went_trial_included(wide):
     assert all(n >= 1 and seconds >= slowest > 0 for _, _, _, n, seconds, slowest in spent["calls"]), spent
     assert spent["deliver_s"] >= 0.02 * len(chunks) and spent["reference_s"] > 0, spent  # new sizes checked
     parts = spent["calls_s"] + spent["reference_s"] + spent["deliver_s"] + spent["other_s"]
-    assert abs(parts - spent["wall_s"]) < 0.01 and spent["wall_s"] <= report.seconds, (spent, report.seconds)
+    assert abs(parts - spent["wall_s"]) < 0.01, spent
+    assert spent["wall_s"] <= report.seconds + 0.001, (spent, report.seconds)   # wall_s is rounded to ms
     assert spent["calls_s"] == pytest.approx(sum(c[4] for c in spent["calls"]), abs=0.01)
 
 

@@ -208,7 +208,8 @@ class ChunkRun:
     def ladder(self, label: str) -> Ladder:
         """This run's chunk sizes of ``label``, started from what the plan knows of it: a strategy the plan
         has timed starts at ``plan_chunk`` (its kept size, at most twice the largest size timed) and, with
-        rows enough, compares that size with half of it again; an untimed one starts at ``FIRST_ROWS``."""
+        rows enough, compares that size with half of it again (where that half's first call is repaid:
+        ``repays_first_call``); an untimed one starts at ``FIRST_ROWS``."""
         if label in self.ladders:
             return self.ladders[label]
         record = self.plan.record(label)
@@ -229,7 +230,9 @@ class ChunkRun:
             if kept and kept in record.rates:  # larger sizes the plan timed that did not pay are not tried again
                 ladder.rejected = {k for k, r in record.rates.items()
                                    if k > kept and r < (1 + GROWTH_GAIN) * record.rates[kept]}
-            if ladder.size // 2 in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size:
+            half = ladder.size // 2   # re-checked where its first call here is repaid (conv1d: a 1 s trace in 3 s)
+            if half in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size and self.repays_first_call(
+                    label, half, called, rows_left=self.pending, rate=record.rates.get(ladder.size)):
                 ladder.recheck()
             elif record.comparing and self.pending >= comparison_rows(record.comparing[1], warm=True):
                 ladder.resume(*record.comparing)
@@ -266,17 +269,24 @@ class ChunkRun:
         ladder = self.ladders[label]
         if rows_left < (comparison_rows(k, warm=k in ladder.called) if self.throughput_cap else k):
             return False
-        compile_s, rate = self.plan.record(label).compile_s, ladder.rates().get(ladder.size)
-        if self.throughput_cap and k not in ladder.called and compile_s and rate and \
-                rows_left / rate * GROWTH_GAIN < compile_s:
-            return False   # the new size's first call (a trace: pfor's of a large model, a minute) costs more
-            #                than the doubling could save in the rows left
+        if not self.repays_first_call(label, k, ladder.called, rows_left=rows_left,
+                                      rate=ladder.rates().get(ladder.size)):
+            return False
         memory = self.plan.record(label).memory_at(self.batch)
         predicted = max(fit_bound(ladder.peaks)(k), memory(k) if memory is not None else 0.0)
         fits = (k <= min(self.k_cap.get(label, self.max_rows), self.max_rows)
                 and predicted * tuning.FIRST_CALL_MARGIN <= self.usable)
         ladder.calibrated = ladder.calibrated or not fits
         return fits
+
+    def repays_first_call(self, label: str, k: int, called: set[int], *, rows_left: int, rate: float | None) -> bool:
+        """Whether comparing a chunk size of ``k`` rows can repay its first call in this process: a new size's
+        first call (a trace: pfor's of a large model, a minute; ``compile_s`` of the strategy) must cost less
+        than a doubling's gain (``GROWTH_GAIN``) saves of the rows left at ``rate`` rows/s. Unknown: yes."""
+        compile_s = self.plan.record(label).compile_s
+        if not self.throughput_cap or k in called or not compile_s or not rate:
+            return True
+        return rows_left / rate * GROWTH_GAIN >= compile_s
 
     def measured(self, label: str, k: int, seconds: float, peak: int, first: bool, remaining_after: int, *,
                  warm: bool) -> None:

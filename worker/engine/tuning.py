@@ -30,7 +30,9 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   ``GROWTH_GAIN`` more rows/s (median of the pairs) and its predicted peak (the memory bound
   through the measured peaks, with ``FIRST_CALL_MARGIN``) fits the limit. A size that does not pay is
   dropped as soon as the pairs say so; no chunk is ever more than twice the largest size timed. A plan's
-  kept size is compared with half of it again when a job starts with enough rows to pay for it.
+  kept size is compared with half of it again when a job starts with enough rows to pay for it, and, where
+  half of it has not run in the process, enough to repay that size's first call (``compile_s``) at a doubling's
+  gain (``ChunkRun.repays_first_call``; a doubling is held to the same).
 - On a host (CPU) job growth also weighs memory and noise (``host_growth_gain``, ``host_growth_verdict``,
   ``next_doubling_gain``, below): beside two CPU hogs the 10 % rule let MobileNetV3Small grow to 128-row
   chunks, a warm process at 0.96 of the ``tape.jacobian`` script's peak RSS.
