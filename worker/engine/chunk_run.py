@@ -63,7 +63,6 @@ class ChunkRun:
         self.first_call: dict[str, tuple[int, float]] = {}   # per strategy: its first call's size and seconds
         self.chunks_run: dict[int, int] = {}       # planned chunk size -> the least largest-timed size before it
         self.new_size = False                      # the last call's size had not run before in this process
-        self.call_rows = 0                         # the last call's rows (XLA: its power of two)
         self.rows_run = 0
         self.pending = problem.rows_total
         self.k_cap: dict[str, int] = {}
@@ -110,20 +109,18 @@ class ChunkRun:
         a failed call's too.
         """
         t_call = time.perf_counter()
+        k = max(n, k or n)
+        if parse_label(label)[1]:
+            k = bucket_rows(k)
         try:
             out = self._call(label, start, n, k)
         except BaseException:
-            self.timeline.call(label, self.call_rows, self.new_size, time.perf_counter() - t_call, failed=True)
+            self.timeline.call(label, k, self.new_size, time.perf_counter() - t_call, failed=True)
             raise
-        self.timeline.call(label, self.call_rows, self.new_size, time.perf_counter() - t_call)
+        self.timeline.call(label, k, self.new_size, time.perf_counter() - t_call)
         return out
 
-    def _call(self, label: str, start: int, n: int, k: int | None) -> tuple[np.ndarray, float, int, bool]:
-        _, xla = parse_label(label)
-        k = max(n, k or n)
-        if xla:
-            k = bucket_rows(k)
-        self.call_rows = k
+    def _call(self, label: str, start: int, n: int, k: int) -> tuple[np.ndarray, float, int, bool]:
         first = not is_compiled(self.problem, label)
         self.new_size = first or k not in self.problem.model.compiled.sizes(self.key(label))
         fn = chunk_function(self.problem, label)
