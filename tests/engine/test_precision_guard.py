@@ -302,3 +302,56 @@ def test_auto_keeps_the_copy_it_may_promote_with_in_a_one_job_process(built, tmp
     assert manifest["precision_promoted"] is True and model.compiled.float64 is not None
     assert relative(np.asarray(storage.open_group(manifest["uri"], mode="r")[manifest["array"]][...]),
                     truth(model, "y")) < 1e-6   # float32 rounding of the float64 truth; unpromoted: ~1e-4
+
+
+def _grappler_passes() -> int:
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(context.context().function_call_options.config_proto_serialized)
+    return config.graph_options.rewrite_options.meta_optimizer_iterations
+
+
+def test_the_float64_side_is_optimized_once_in_its_own_thread_and_the_job_as_before(built, tmp_path, monkeypatch):
+    """The float64 copy and its products run for a few probes: one pass of the graph optimizer (its second costs
+    more than it saves there), in the guard's thread only; the job's functions, and other threads, keep theirs."""
+    import threading
+
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    from worker.engine import TFMemoryProbe
+    from worker.execution import executor_for, precision
+    from worker.execution.local import local_context
+
+    one = rewriter_config_pb2.RewriterConfig.ONE
+    model = built["cancelling"]
+    model.compiled.float64 = None
+    ctx = local_context(model, {"x": X}, results_url=str(tmp_path), job_id="passes", probe=TFMemoryProbe(), of="y")
+    before, seen, reference = _grappler_passes(), {}, precision.reference
+
+    def watched(*args):
+        seen["guard"] = _grappler_passes()
+        other = threading.Thread(target=lambda: seen.setdefault("other thread", _grappler_passes()))
+        other.start()
+        other.join()
+        return reference(*args)
+
+    monkeypatch.setattr(precision, "reference", watched)
+    executor = executor_for(ctx.job)
+    job_run = executor.run
+    executor.run = lambda c: seen.setdefault("job", _grappler_passes()) and False or job_run(c)
+    manifest = precision.run_guarded(executor, ctx)
+    assert before != one
+    assert seen == {"guard": one, "other thread": before, "job": before}
+    assert manifest["precision_probes"] == 3 and manifest["precision_error"] > 1e-6
+
+
+def test_one_grappler_pass_is_undone_when_the_float64_side_fails():
+    from worker.engine.float64 import one_grappler_pass
+
+    before = _grappler_passes()
+    with pytest.raises(RuntimeError), one_grappler_pass():
+        assert _grappler_passes() != before
+        raise RuntimeError("the float64 side failed")
+    assert _grappler_passes() == before

@@ -15,6 +15,8 @@ its own float64 copy. The copy is built once per loaded model (``model.compiled.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from worker.engine.model import LoadedModel
@@ -71,23 +73,21 @@ def _built(model: LoadedModel) -> LoadedModel | Float64Unavailable:
 
 def _convert(model: LoadedModel) -> LoadedModel:
     import tensorflow as tf
-    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2_as_graph
 
     fn = model.fn
     # the captured variable handles of the signature's graph: which placeholder reads which variable
     by_handle = {id(v.handle): name for name, v in model.variables.items() if v.dtype.is_floating}
     captured = {internal.op.name: by_handle[id(external)] for external, internal in fn.graph.captures
                 if id(external) in by_handle}
-    frozen, graph_def = convert_variables_to_constants_v2_as_graph(fn, lower_control_flow=False)
+    graph_def, arg_names, output_names = _frozen(fn)
     _rewrite(graph_def)
     input_names = sorted(model.input_specs)
-    arg_names = [t.op.name for t in frozen.inputs]
-    flat_inputs = tf.nest.flatten(frozen.structured_input_signature)
+    flat_inputs = tf.nest.flatten(fn.structured_input_signature)
     specs = {n: model.input_specs[n] for n in input_names}
     order = [s.name if getattr(s, "name", None) in specs else None for s in flat_inputs]
     if len(arg_names) != len(input_names) or None in order:
         order = input_names   # the dict's flattening: sorted keys
-    output_tensors = {name: t.name for name, t in zip(sorted(fn.structured_outputs), frozen.outputs)}
+    output_tensors = dict(zip(sorted(fn.structured_outputs), output_names))
     variables = {name: tf.Variable(tf.cast(v, tf.float64) if v.dtype.is_floating else v, trainable=v.trainable,
                                    name=name.replace("/", "_").replace(":", "_").replace("@", "_"))
                  for name, v in model.variables.items() if name in captured.values()}
@@ -110,7 +110,7 @@ def _convert(model: LoadedModel) -> LoadedModel:
     var_specs = [tf.TensorSpec(variables[n].shape, variables[n].dtype) for n in var_order]
     wrapped = tf.compat.v1.wrap_function(imported, arg_specs + var_specs)
     held.clear()
-    del graph_def, frozen
+    del graph_def
 
     def call(**inputs: Any) -> dict[str, Any]:
         args = [tf.convert_to_tensor(inputs[n], tf.float64 if specs[n].dtype.is_floating else specs[n].dtype)
@@ -126,6 +126,46 @@ def _convert(model: LoadedModel) -> LoadedModel:
                             fingerprint=f"{model.fingerprint}-float64" if model.fingerprint else "",
                             graph_ops=model.graph_ops)
     return _checked(converted)
+
+
+@contextmanager
+def one_grappler_pass() -> Iterator[None]:
+    """Functions first run inside (in this thread) are optimized by one pass of TensorFlow's graph optimizer, not
+    the default two: the float64 copy and its backward pass run for a few probes, where the second pass costs more
+    than it saves (MobileNetV3Small's copy and three float64 VJPs: 5.3-6.5 s against 6.9-7.5 s, peak RSS the same;
+    no optimizer at all saves more but adds ~90 MiB to the peak). Thread-local: other threads keep their options."""
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    before = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(before.config_proto_serialized)
+    config.graph_options.rewrite_options.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    ctx.function_call_options = context.FunctionCallOptions(executor_type=before.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = before
+
+
+def _frozen(fn: Any) -> tuple[Any, list[str], list[str]]:
+    """``fn``'s graph with its captured variables as constants (``convert_variables_to_constants_v2``'s
+    ``GraphDef``), the names of its remaining inputs' placeholders and of its output tensors. The public
+    ``convert_variables_to_constants_v2_as_graph`` also imports the frozen graph as a function, which is only
+    read for these names: 1.1-1.2 s of a MobileNetV3Small job's 3 s copy (2-core AVX2 VM), saved here."""
+    from tensorflow.python.framework import convert_to_constants as ctc
+
+    try:
+        data = ctc._FunctionConverterDataInEager(func=fn, lower_control_flow=False, aggressive_inlining=False)
+        replace = ctc._replace_variables_by_constants
+    except AttributeError:   # another TensorFlow's internals: the public path, which builds the function
+        frozen, graph_def = ctc.convert_variables_to_constants_v2_as_graph(fn, lower_control_flow=False)
+        return graph_def, [t.op.name for t in frozen.inputs], [t.name for t in frozen.outputs]
+    graph_def, converted = replace(converter_data=data)
+    captures = fn.graph.internal_captures
+    gone = {id(captures[i]) for i in converted}
+    return graph_def, [t.op.name for t in fn.inputs if id(t) not in gone], [t.name for t in fn.outputs]
 
 
 def _checked(model: LoadedModel) -> LoadedModel:

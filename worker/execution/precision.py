@@ -106,7 +106,7 @@ def prepare(ctx: RunContext, *, keep_copy: bool = True) -> Prepared:
     """The float64 side of ``ctx``'s estimate (no estimate, and why, where none can be made). Never raises but
     ``Stopped``: an estimate that fails is recorded, the job runs. ``keep_copy``: see ``run_guarded``."""
     from worker.engine.errors import InvalidRequest, Stopped
-    from worker.engine.float64 import Float64Unavailable, is_float64
+    from worker.engine.float64 import Float64Unavailable, is_float64, one_grappler_pass
 
     auto = ctx.job.precision == "auto"
     if probes() == 0:
@@ -116,12 +116,13 @@ def prepare(ctx: RunContext, *, keep_copy: bool = True) -> Prepared:
     try:
         if is_float64(ctx.load_model()):
             return Prepared(fields=Estimate(0.0, 0, "float64 model: its result is its own float64 probe").fields())
-        try:
-            ctx64 = float64_context(ctx)
-        except Float64Unavailable as err:
-            return Prepared(fields=Estimate(None, 0, str(err)).fields(),
-                            warning=f"precision 'auto' could not check or promote the result: {err}" if auto else None)
-        compare = reference(ctx, ctx64)
+        with one_grappler_pass():
+            try:
+                ctx64 = float64_context(ctx)
+            except Float64Unavailable as err:
+                return Prepared(fields=Estimate(None, 0, str(err)).fields(), warning=f"precision 'auto' could not "
+                                f"check or promote the result: {err}" if auto else None)
+            compare = reference(ctx, ctx64)
         if not (keep_copy or auto):
             _drop_copy(ctx)
         return Prepared(compare=compare, ctx64=ctx64 if auto else None)
