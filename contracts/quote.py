@@ -67,10 +67,10 @@ class Quote(BaseModel):
                           "strategy, XLA on the CPU); estimate: a guess from the result size")
     predicted_seconds: float | None = Field(
         description="seconds of compute of the whole job on a fresh worker process: the steady chunks "
-                    "(predicted_steady_seconds) plus the plan's measured first call (trace, compile) of each chunk "
-                    "size the job would run; a worker process that has already run this request pays only the "
-                    "steady part. Not counted: loading the model, the queue, writing the result. Null without "
-                    "a plan's timing")
+                    "(predicted_steady_seconds) plus the plan's measured first call (trace, compile; from the "
+                    "kept trace where the plan has timed one) of each chunk size the job would run; a worker "
+                    "process that has already run this request pays only the steady part. Not counted: loading "
+                    "the model, the queue, writing the result. Null without a plan's timing")
     predicted_steady_seconds: float | None = Field(
         None, description="the steady part of predicted_seconds: the chunks at the plan's measured time per chunk, "
                           "no first calls (a worker process that has traced this request)")
@@ -276,11 +276,18 @@ def first_call_sizes(label: str, rows: int, k: int, *, timed: Any = (), forced: 
     return sorted(sizes)
 
 
+def first_call_s(record: Mapping[str, Any]) -> float | None:
+    """A strategy's first call in a fresh process: from its kept trace where the plan timed one (``kept_compile_s``,
+    ``worker.engine.trace_cache``), else traced (``compile_s``); None when neither was measured."""
+    kept, traced = record.get("kept_compile_s"), record.get("compile_s")
+    return float(kept) if kept is not None else None if traced is None else float(traced)
+
+
 def first_calls(plan: Mapping[str, Any], label: str, rows: int, k: int, *, forced: bool) -> tuple[float, int] | None:
-    """Seconds of the first calls a fresh process would make (the plan's ``compile_s`` per chunk size it would
-    call first, ``first_call_sizes``) and how many; None when the plan has not measured ``compile_s``."""
+    """Seconds of the first calls a fresh process would make (the plan's ``first_call_s`` per chunk size it would
+    call first, ``first_call_sizes``) and how many; None when the plan has not measured one."""
     record = plan["strategies"][label]
-    compile_s = record.get("compile_s")
+    compile_s = first_call_s(record)
     if compile_s is None:
         return None
     sizes = first_call_sizes(label, rows, k, timed=record.get("rates") or {}, forced=forced)
@@ -386,10 +393,10 @@ def cheaper_to_start(plan: Mapping[str, Any], label: str, rows: int, total: floa
     best: tuple[str, float] | None = None
     for other, record in (plan.get("strategies") or {}).items():
         rates = record.get("rates") or {}
-        if other == label or record.get("status") != "ok" or not record.get("verified") or not rates \
-                or record.get("compile_s") is None:
+        first = first_call_s(record)
+        if other == label or record.get("status") != "ok" or not record.get("verified") or not rates or first is None:
             continue
-        seconds = float(record["compile_s"]) + rows / max(map(float, rates.values()))
+        seconds = first + rows / max(map(float, rates.values()))
         if seconds < total and (best is None or seconds < best[1]):
             best = (other, seconds)
     return best

@@ -77,8 +77,9 @@ class DenseRun:
 
     ``rows``: a shard's range (None: all; the manifest is written only then); ``plan`` (``worker.engine.Plan``)
     the strategy and what is known of it, ``on_learned`` receives it updated by this run; ``strategy`` pins
-    the chunk strategy; ``refine`` goes to ``run_problem``; ``block_bytes``: the storage block size (None: the
-    layout's default); ``create=False`` (a shard) writes into the existing array and never recreates it.
+    the chunk strategy; ``refine`` and ``trace_dir`` (``RunOptions``) go to ``run_problem``; ``block_bytes``: the
+    storage block size (None: the layout's default); ``create=False`` (a shard) writes into the existing array and
+    never recreates it.
     """
 
     results_url: str
@@ -99,6 +100,7 @@ class DenseRun:
     on_learned: Callable[[Plan], None] | None = None
     probe: MemoryProbe | None = None
     try_xla: bool = True
+    trace_dir: str | None = None
 
 
 def compute_to_storage(problem: Problem, *, results_url: str, job_id: str, precision: str = "highest",
@@ -186,7 +188,7 @@ def compute_once(problem: Problem, run: DenseRun) -> dict[str, Any]:
         if ranges:
             options = RunOptions(memory_budget_bytes=run.memory_budget_bytes, chunk_rows=chunk_rows,
                                  strategy=run.strategy, refine=run.refine, try_xla=run.try_xla,
-                                 host_reserved_bytes=writer.host_bytes)
+                                 host_reserved_bytes=writer.host_bytes, trace_dir=run.trace_dir)
             report = run_problem(problem, options=options, ranges=ranges, on_plan=take_plan, on_chunk=take_chunk,
                                  should_stop=run.should_stop, plan=run.plan, probe=run.probe)
             plan_now.update(report.plan or {})

@@ -108,8 +108,8 @@ def test_a_trial_is_judged_by_the_reference_rows_not_by_the_incumbent(loaded, mo
 
     real = chunk_run.chunk_function
 
-    def wrong_inside(problem, label):
-        fn = real(problem, label)
+    def wrong_inside(problem, label, **options):
+        fn = real(problem, label, **options)
         if label != "tiled":
             return fn
 

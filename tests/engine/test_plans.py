@@ -191,8 +191,8 @@ def test_the_function_at_the_production_size_is_checked_against_eager_rows(loade
 
     real = chunk_run.chunk_function
 
-    def wrong_when_large(problem, label):
-        fn = real(problem, label)
+    def wrong_when_large(problem, label, **options):
+        fn = real(problem, label, **options)
         if label != "vectorized":
             return fn
         return lambda start, k: fn(start, k) * (1.5 if k >= 16 else 1.0)

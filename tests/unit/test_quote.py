@@ -125,6 +125,23 @@ def test_seconds_count_the_first_calls_of_a_fresh_process_beside_the_steady_part
     assert "2 chunk sizes" in pinned.basis
 
 
+def test_a_first_call_from_a_kept_trace_is_quoted_where_the_plan_timed_one():
+    """A plan whose processes loaded the strategy's traced graph (``kept_compile_s``): a fresh worker pays that
+    first call, not the trace; a strategy cheaper to start from its kept trace is the one quoted fresh."""
+    plan = Plan.from_json(_plan(_key()))
+    plan.strategies["vectorized"].compile_s = 2.5
+    plan.strategies["vectorized"].kept_compile_s = 0.5
+    steady = round(4 * (0.01 + 0.001 * 16), 4)
+    assert quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json()).predicted_seconds == round(
+        steady + 0.5, 4)
+    plan.strategies["vectorized"].compile_s, plan.strategies["vectorized"].rates = 100.0, {16: 500.0}
+    plan.strategies["vectorized"].kept_compile_s = None
+    plan.strategies["tiled"] = StrategyRecord(status="ok", verified=True, compile_s=50.0, kept_compile_s=1.0,
+                                              rates={16: 100.0})
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert q.predicted_seconds == round(1.0 + 64 / 100.0, 4) and "with tiled" in q.basis
+
+
 def test_the_sizes_a_fresh_process_calls_first():
     assert first_call_sizes("vectorized", 64, 16) == [16]
     assert first_call_sizes("vectorized", 100, 64) == [64]            # the tail of 36 pads to 64, a size run

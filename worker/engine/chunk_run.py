@@ -28,7 +28,7 @@ from worker.engine.planner import (
     plan_chunk,
 )
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import ChunkKey, allocator_blind, chunk_function, is_compiled
+from worker.engine.strategies import ChunkKey, allocator_blind, chunk_function, from_kept_trace, is_compiled, keep_trace
 from worker.engine.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,12 @@ class ChunkRun:
 
     def __init__(self, problem: Problem, plan: Plan, probe: MemoryProbe, *, budget: int | None,
                  chunk_rows: int | None, throughput_cap: bool, refine: str, try_xla: bool, pinned: bool,
-                 on_plan: Callable[[dict[str, Any]], None] | None, host_reserved_bytes: int = 0) -> None:
+                 on_plan: Callable[[dict[str, Any]], None] | None, host_reserved_bytes: int = 0,
+                 trace_dir: str | None = None) -> None:
         self.problem, self.plan, self.probe = problem, plan, probe
         self.budget, self.chunk_rows, self.throughput_cap = budget, chunk_rows, throughput_cap
         self.refine, self.pinned, self.on_plan = refine, pinned, on_plan
+        self.trace_dir = trace_dir
         self.free_at_start = int(probe.free_bytes())
         self.limit = self.free_at_start if budget is None else min(self.free_at_start, budget)
         self.usable = SAFETY * self.limit
@@ -61,6 +63,7 @@ class ChunkRun:
         self.batch = problem.of_shape[0] if problem.spec.batch_axis and problem.of_shape else None
         self.ladders: dict[str, Ladder] = {}
         self.first_call: dict[str, tuple[int, float]] = {}   # per strategy: its first call's size and seconds
+        self.kept: set[str] = set()   # strategies whose function this process loaded from a kept trace
         self.chunks_run: dict[int, int] = {}       # planned chunk size -> the least largest-timed size before it
         self.new_size = False                      # the last call's size had not run before in this process
         self.rows_run = 0
@@ -123,7 +126,7 @@ class ChunkRun:
     def _call(self, label: str, start: int, n: int, k: int) -> tuple[np.ndarray, float, int, bool]:
         first = not is_compiled(self.problem, label)
         self.new_size = first or k not in self.problem.model.compiled.sizes(self.key(label))
-        fn = chunk_function(self.problem, label)
+        fn = chunk_function(self.problem, label, trace_dir=self.trace_dir)
         self.probe.before_chunk(k)
         if self.host is not None:
             self.host.before(self.plan.record(label), blind=allocator_blind(label), first=first)
@@ -143,6 +146,10 @@ class ChunkRun:
         self.peak = max(self.peak, peak)
         self.problem.model.compiled.sizes(self.key(label)).add(k)
         self.rows_run += n
+        if first and from_kept_trace(self.problem, label):
+            self.kept.add(label)
+        elif first:   # for later processes: they load the graph instead of tracing it
+            keep_trace(self.problem, label, self.trace_dir)
         return rows, seconds, peak, first
 
     @property
@@ -166,7 +173,8 @@ class ChunkRun:
                 label = "tiled"
             t0 = time.perf_counter()
             try:
-                self.eager_rows[row] = np.asarray(chunk_function(self.problem, label)(row, 1))[0]
+                self.eager_rows[row] = np.asarray(chunk_function(self.problem, label, trace_dir=self.trace_dir)(
+                    row, 1))[0]
             except EngineError:
                 raise
             except Exception as err:  # noqa: BLE001 - no reference: rows cannot be checked
@@ -303,8 +311,12 @@ class ChunkRun:
         ladder.observe(k, seconds, peak, warm=warm,
                        can_grow_to=lambda n: self.can_grow_to(label, n, remaining_after))
         call = self.first_call.get(label)
-        if call is not None and record.compile_s is None and warm and k == call[0]:
-            record.compile_s = round(max(call[1] - seconds, 0.0), 3)
+        if call is not None and warm and k == call[0]:
+            first_s = round(max(call[1] - seconds, 0.0), 3)
+            if label in self.kept and record.kept_compile_s is None:
+                record.kept_compile_s = first_s
+            elif label not in self.kept and record.compile_s is None:
+                record.compile_s = first_s
         self.settle(label)
 
     def settle(self, label: str) -> None:

@@ -320,9 +320,10 @@ class Operator:
                           self.reduce if kind_spec(kind).scalar_of else None, self.compute_dtype, inputs)
 
     def _trace_key(self, kind: str, label: str) -> tuple[Any, ...] | None:
-        shapes = trace_cache.input_shapes(self.inputs)
-        return ("product-trace", self.model.fingerprint, self.model.signature, shapes, self.key(kind, label)) \
-            if self.trace_dir and self.model.fingerprint and not label.endswith(("/eager", "/rows")) else None
+        if not (self.trace_dir and self.model.fingerprint) or label.endswith(("/eager", "/rows")):
+            return None
+        return ("product-trace", trace_cache.code_digest(), self.model.fingerprint, self.model.signature,
+                trace_cache.input_shapes(self.inputs), self.key(kind, label))
 
     def _keep_trace(self, kind: str, label: str) -> None:
         """Store the chosen label's traced function for later processes (``trace_cache``), once per process."""

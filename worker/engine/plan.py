@@ -88,6 +88,8 @@ class StrategyRecord:
     verified_rows: list[int] = field(default_factory=list)   # the chunk sizes whose rows were checked
     compile_s: float | None = None   # first call minus a steady call of the same size (XLA, which compiles each
                                      # shape: the larger of a trial's two sizes')
+    kept_compile_s: float | None = None   # the same, its function loaded from a kept trace (``trace_cache``): what
+                                          # TensorFlow does on a first call that no kept graph saves
     compile_factor: float | None = None   # its compile as a multiple of ``tiled``'s, measured by a trial whose
                                           # compile exceeded the estimate (``worker.engine.tuning.learned_factor``)
     memory: LinearFit | None = None  # peak bytes of a chunk, in rows: at or above every measured peak
@@ -121,6 +123,7 @@ class StrategyRecord:
         memory, seconds = data.get("memory"), data.get("seconds")
         return cls(status=data.get("status", "untried"), reason=data.get("reason"),
                    verified=bool(data.get("verified")), compile_s=data.get("compile_s"),
+                   kept_compile_s=data.get("kept_compile_s"),
                    compile_factor=data.get("compile_factor"),
                    verified_rows=[int(k) for k in data.get("verified_rows") or []],
                    memory=None if memory is None else LinearFit(float(memory[0]), float(memory[1])),

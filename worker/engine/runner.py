@@ -41,7 +41,8 @@ class RunOptions:
     ``throughput_cap=False`` plans by memory alone (the largest chunk that fits), ignoring the measured rows/s
     sweet spot; tests of the memory logic use it to be independent of timing. ``host_reserved_bytes``: host
     memory the caller holds per job besides the chunks (the result writer's buffers); on a GPU chunks are
-    capped so that their rows fit on the host beside it."""
+    capped so that their rows fit on the host beside it. ``trace_dir``: the cache folder, where chunk functions
+    traced by earlier processes are loaded from and this process's are kept (``strategies.keep_trace``)."""
 
     memory_budget_bytes: int | None = None
     chunk_rows: int | None = None
@@ -50,6 +51,7 @@ class RunOptions:
     try_xla: bool = True
     throughput_cap: bool = True
     host_reserved_bytes: int = 0
+    trace_dir: str | None = None
 
 
 @dataclass
@@ -111,11 +113,11 @@ def run_problem(problem: Problem, *, options: RunOptions | None = None, plan: Pl
     steady = plan.strategy
     if strategy is None:
         plan.strategy = strategy_for_job(problem, plan, applicable, sum(hi - lo for lo, hi in todo),
-                                         budget_bytes=memory_budget_bytes)
+                                         budget_bytes=memory_budget_bytes, trace_dir=options.trace_dir)
     run = ChunkRun(problem, plan, probe, budget=memory_budget_bytes, chunk_rows=options.chunk_rows,
                    throughput_cap=options.throughput_cap, refine="never" if strategy is not None else options.refine,
                    try_xla=options.try_xla, pinned=strategy is not None, on_plan=on_plan,
-                   host_reserved_bytes=options.host_reserved_bytes)
+                   host_reserved_bytes=options.host_reserved_bytes, trace_dir=options.trace_dir)
     job_strategy = plan.strategy
     rows_done, compute_s = execute(run, todo, applicable, on_chunk=on_chunk, should_stop=should_stop)
     if plan.strategy == job_strategy and plan.record(steady).usable:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine import pfor_patches
+from worker.engine import pfor_patches, trace_cache
 from worker.engine.plan import parse_label
 from worker.engine.problem import Problem, unconnected
 
@@ -237,11 +237,13 @@ def _body(tf: Any, problem: Problem, strategy: str) -> Callable[[Any, Any, dict[
     return body
 
 
-def chunk_function(problem: Problem, label: str) -> Callable[[int, int], Any]:
+def chunk_function(problem: Problem, label: str, *, trace_dir: str | None = None) -> Callable[[int, int], Any]:
     """``(start, k) -> rows``: a tensor of shape ``(k,) + row_shape`` in ``problem.dtype``.
 
     ``label`` is a strategy, ``+xla`` for XLA. Compiled functions are cached on the loaded model
-    (``model.compiled``) and shared by every problem with the same request and input dtypes.
+    (``model.compiled``) and shared by every problem with the same request and input dtypes. ``trace_dir`` (the
+    cache folder): a function traced by an earlier process is loaded from there instead of traced (``keep_trace``
+    keeps one; never an XLA function, whose compile no graph keeps).
     """
     import tensorflow as tf
 
@@ -253,7 +255,7 @@ def chunk_function(problem: Problem, label: str) -> Callable[[int, int], Any]:
             return tf.concat([body(tf.constant(start + i, tf.int64), tf.constant(1, tf.int64), problem.inputs)
                               for i in range(k)], axis=0)
         return eager
-    compiled = _compiled(tf, problem, name, xla)
+    compiled = _compiled(tf, problem, name, xla, trace_dir)
     if name == "loop":
         one = tf.constant(1, tf.int64)
 
@@ -270,10 +272,46 @@ def is_compiled(problem: Problem, label: str) -> bool:
     return name == "eager" or ChunkKey.of_problem(problem, name, xla) in problem.model.compiled
 
 
-def _compiled(tf: Any, problem: Problem, strategy: str, xla: bool) -> Any:
+def _trace_key(problem: Problem, strategy: str, xla: bool) -> tuple[Any, ...] | None:
+    """What a kept trace of this chunk function is stored under (None: it is not kept): the model's content,
+    the request, the input shapes (the body reads ``of``'s and ``wrt``'s shapes) and the code that traced it."""
+    if xla or strategy == "eager" or not problem.model.fingerprint:
+        return None
+    return ("chunk-trace", trace_cache.code_digest(), problem.model.fingerprint, problem.model.signature,
+            trace_cache.input_shapes(problem.inputs), ChunkKey.of_problem(problem, strategy, xla))
+
+
+def keep_trace(problem: Problem, label: str, trace_dir: str | None) -> None:
+    """Store ``label``'s function, traced in this process, in ``trace_dir`` for later processes (once)."""
+    name, xla = parse_label(label)
+    key = _trace_key(problem, name, xla) if trace_dir else None
+    fn = problem.model.compiled.peek(ChunkKey.of_problem(problem, name, xla)) if key else None
+    if fn is not None and not from_kept_trace(problem, label):
+        trace_cache.store(trace_dir, key, fn, problem.model.variables)
+
+
+def from_kept_trace(problem: Problem, label: str) -> bool:
+    """Whether this process's function for ``label`` was loaded from a kept trace, not traced."""
+    name, xla = parse_label(label)
+    return bool(getattr(problem.model.compiled.peek(ChunkKey.of_problem(problem, name, xla)), "graph_from_cache",
+                        False))
+
+
+def trace_kept(problem: Problem, label: str, trace_dir: str | None) -> bool:
+    """Whether ``trace_dir`` holds a trace of ``label``'s function that this process could load."""
+    name, xla = parse_label(label)
+    key = _trace_key(problem, name, xla) if trace_dir else None
+    return key is not None and trace_cache.has(trace_dir, key)
+
+
+def _compiled(tf: Any, problem: Problem, strategy: str, xla: bool, trace_dir: str | None = None) -> Any:
     pfor_patches.install()
 
     def build() -> Any:
+        key = _trace_key(problem, strategy, xla) if trace_dir else None
+        stored = trace_cache.load(trace_dir, key, problem.model.variables) if key else None
+        if stored is not None:
+            return stored
         # The signature's own input specs: free dimensions stay free, so one trace serves every batch size.
         spec = {n: tf.TensorSpec(s.shape, s.dtype) for n, s in problem.model.input_specs.items()}
         # A partial has no __code__: TensorFlow's frequent-retracing detector then keys on this

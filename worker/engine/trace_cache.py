@@ -15,6 +15,7 @@ function is traced as before), and a graph whose captures are not all nameable i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -31,6 +32,23 @@ log = logging.getLogger(__name__)
 MAX_CONSTANT_BYTES = 1 << 20     # a captured constant larger than this: the graph is not stored
 MAX_GRAPH_BYTES = 256 << 20      # nor one whose GraphDef is larger
 _STORED: set[str] = set()        # paths this process wrote or tried to: each function is stored once
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the engine's source (``worker/engine/**.py``): a trace kept by other code (another release of
+    the service, whose traced bodies may differ) is a miss, never loaded."""
+    digest = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def has(cache_dir: str, key: Any) -> bool:
+    """Whether ``cache_dir`` holds a trace stored under ``key`` (``load`` may still find it unusable)."""
+    return _path(cache_dir, key).is_file()
 
 
 def input_shapes(inputs: dict[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -15,10 +15,10 @@ from worker.engine.chunk_run import ChunkRun
 from worker.engine.errors import NotDifferentiable
 from worker.engine.ladder import Ladder
 from worker.engine.memory import is_out_of_memory
-from worker.engine.plan import Plan, parse_label
+from worker.engine.plan import Plan, StrategyRecord, parse_label
 from worker.engine.planner import fit_bound
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import is_compiled, second_order_loops
+from worker.engine.strategies import is_compiled, second_order_loops, trace_kept
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,10 @@ def avoid_unseen(run: ChunkRun, applicable: list[str], label: str) -> bool:
 
 
 def strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: int, *,
-                     budget_bytes: int | None = None) -> str:
+                     budget_bytes: int | None = None, trace_dir: str | None = None) -> str:
     """Among the plan's verified and timed strategies, the one to run this job (``tuning.buy_compile``);
-    under a memory budget none whose memory is invisible to the allocator statistics (``is_unseen``)."""
+    under a memory budget none whose memory is invisible to the allocator statistics (``is_unseen``). A strategy
+    whose trace ``trace_dir`` keeps costs its first call from that trace (``first_call_s``)."""
     if budget_bytes is not None and any(is_unseen(plan, label) for label in applicable):
         seen = [label for label in applicable if not is_unseen(plan, label)]
         if seen and plan.strategy not in seen:
@@ -87,7 +88,9 @@ def strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: 
         return plan.strategy
 
     def compile_s(label: str) -> float:
-        return 0.0 if is_compiled(problem, label) else float(known[label].compile_s or 0.0)
+        if is_compiled(problem, label):
+            return 0.0
+        return first_call_s(known, label, kept=trace_kept(problem, label, trace_dir))
 
     def rows_s(label: str) -> float:
         return rows / float(known[label].best_rate() or 1e-9)
@@ -108,6 +111,21 @@ def strategy_for_job(problem: Problem, plan: Plan, applicable: list[str], rows: 
     log.info("this job runs %s (%.1f s expected) rather than the plan's faster %s (%.1f s to compile here)",
              rent, rent_s, best, compile_s(best))
     return rent
+
+
+def first_call_s(records: dict[str, StrategyRecord], label: str, *, kept: bool) -> float:
+    """What ``label``'s first call costs a process beyond a steady call: its ``compile_s``, or where its trace
+    is kept, its ``kept_compile_s``; not measured yet, its ``compile_s`` scaled by what a kept trace saved another
+    strategy (the least saving measured), else its ``compile_s``."""
+    record = records[label]
+    traced = float(record.compile_s or 0.0)
+    if not kept:
+        return traced
+    if record.kept_compile_s is not None:
+        return float(record.kept_compile_s)
+    shares = [r.kept_compile_s / r.compile_s for r in records.values()
+              if r.kept_compile_s is not None and r.compile_s]
+    return traced * min(1.0, max(shares)) if shares else traced
 
 
 def fall_back(run: ChunkRun, applicable: list[str], label: str, why: str, *, status: str = "failed") -> None:

@@ -53,6 +53,7 @@ class DenseExecutor(Executor):
             problem, results_url=job.results_url, job_id=job.id, memory_budget_bytes=ctx.budget_bytes,
             chunk_rows=job.chunk_rows, strategy=job.strategy, should_stop=ctx.should_stop, plan=plan,
             probe=ctx.probe, try_xla=ctx.try_xla, precision=job.precision, created_at=ctx.created_at,
+            trace_dir=ctx.cache_dir,
             on_learned=ctx.plans.put if ctx.plans is not None else None,
             manifest_fields={"model": ctx.model_ref(), **ctx.manifest_fields}, **options)
 
