@@ -1,4 +1,5 @@
-"""Traced product functions kept across processes: the graph of a compiled matrix-free product, not a SavedModel.
+"""Traced functions kept across processes: the graph of a compiled matrix-free product or dense chunk function
+(``strategies.keep_trace``), not a SavedModel.
 
 A new process spends most of a large model's first JVP on Python tracing (MobileNetV3Small's tiled forward-mode
 JVP: 3.1 s of trace, then 2.1 s of TensorFlow's own first-call work that no cache can keep). ``store`` writes the
@@ -8,8 +9,9 @@ constants. ``load`` imports that graph into a ``wrap_function`` bound to the var
 this process: 0.3 s instead of the trace. (A SavedModel of the functions was measured before and did not pay:
 saving it copies the variables, and loading re-traces its restored functions.)
 
-Files live beside the route choices (``<cache_dir>/operators/``), keyed by the operator's request key, the
-product's key and the TensorFlow version; anything unreadable, of another model or not bindable is a miss (the
+Files live beside the route choices (``<cache_dir>/operators/``), keyed by the model's fingerprint, the request
+(a product's key, a chunk function's ``ChunkKey``), the input shapes, the TensorFlow version and a digest of the
+engine's source (``code_digest``); anything unreadable, of another model or not bindable is a miss (the
 function is traced as before), and a graph whose captures are not all nameable is not stored.
 """
 
