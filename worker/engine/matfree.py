@@ -327,10 +327,8 @@ class Operator:
 
     def _keep_trace(self, kind: str, label: str) -> None:
         """Store the chosen label's traced function for later processes (``trace_cache``), once per process."""
-        key = self._trace_key(kind, label)
-        fn = self.model.compiled.peek(self.key(kind, label))
-        if key and fn is not None and not getattr(fn, "graph_from_cache", False):
-            trace_cache.store(self.trace_dir, key, fn, self.model.variables)
+        trace_cache.keep(self.trace_dir, self._trace_key(kind, label), self.model.compiled.peek(self.key(kind, label)),
+                         self.model.variables)
 
     def _compiled(self, tf: Any, kind: str, label: str) -> Any:
         pfor_patches.install()

@@ -285,16 +285,14 @@ def keep_trace(problem: Problem, label: str, trace_dir: str | None) -> None:
     """Store ``label``'s function, traced in this process, in ``trace_dir`` for later processes (once)."""
     name, xla = parse_label(label)
     key = _trace_key(problem, name, xla) if trace_dir else None
-    fn = problem.model.compiled.peek(ChunkKey.of_problem(problem, name, xla)) if key else None
-    if fn is not None and not from_kept_trace(problem, label):
-        trace_cache.store(trace_dir, key, fn, problem.model.variables)
+    trace_cache.keep(trace_dir, key, problem.model.compiled.peek(ChunkKey.of_problem(problem, name, xla)),
+                     problem.model.variables)
 
 
 def from_kept_trace(problem: Problem, label: str) -> bool:
     """Whether this process's function for ``label`` was loaded from a kept trace, not traced."""
     name, xla = parse_label(label)
-    return bool(getattr(problem.model.compiled.peek(ChunkKey.of_problem(problem, name, xla)), "graph_from_cache",
-                        False))
+    return trace_cache.loaded(problem.model.compiled.peek(ChunkKey.of_problem(problem, name, xla)))
 
 
 def trace_kept(problem: Problem, label: str, trace_dir: str | None) -> bool:

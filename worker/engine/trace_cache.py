@@ -48,6 +48,16 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def loaded(fn: Any) -> bool:
+    """Whether ``fn`` was loaded from a kept trace (``load``), not traced in this process."""
+    return bool(getattr(fn, "graph_from_cache", False))
+
+
+def keep(cache_dir: str | None, key: Any, fn: Any | None, variables: dict[str, Any]) -> bool:
+    """``store`` of a function traced in this process; nothing for none, or for one loaded from a kept trace."""
+    return fn is not None and key is not None and not loaded(fn) and store(cache_dir, key, fn, variables)
+
+
 def has(cache_dir: str, key: Any) -> bool:
     """Whether ``cache_dir`` holds a trace stored under ``key`` (``load`` may still find it unusable)."""
     return _path(cache_dir, key).is_file()
