@@ -275,7 +275,7 @@ class ChunkRun:
         if rows_left < (comparison_rows(k, warm=k in ladder.called) if self.throughput_cap else k):
             return False
         if not self.repays_first_call(label, k, ladder.called, rows_left=rows_left,
-                                      rate=ladder.rates().get(ladder.size)):
+                                      rate=ladder.rates().get(ladder.size), later_s=self.plan.work_s):
             return False
         memory = self.plan.record(label).memory_at(self.batch)
         predicted = max(fit_bound(ladder.peaks)(k), memory(k) if memory is not None else 0.0)
@@ -284,14 +284,20 @@ class ChunkRun:
         ladder.calibrated = ladder.calibrated or not fits
         return fits
 
-    def repays_first_call(self, label: str, k: int, called: set[int], *, rows_left: int, rate: float | None) -> bool:
+    def repays_first_call(self, label: str, k: int, called: set[int], *, rows_left: int, rate: float | None,
+                          later_s: float = 0.0) -> bool:
         """Whether comparing a chunk size of ``k`` rows can repay its first call in this process: a new size's
         first call (a trace: pfor's of a large model, a minute; ``compile_s`` of the strategy) must cost less
-        than a doubling's gain (``GROWTH_GAIN``) saves of the rows left at ``rate`` rows/s. Unknown: yes."""
+        than a doubling's gain (``GROWTH_GAIN``) saves of the work ahead: the rows left at ``rate`` rows/s, and
+        ``later_s`` seconds of later jobs. A doubling passes the compute seconds the plan's jobs have spent
+        (``work_s``, the same economics as a strategy trial's): what it finds is kept in the plan, so its first
+        call is paid once, and a short job alone never repays it (on an H100 a 256-row MLP request kept 8-row
+        chunks for 260 jobs: 8x slower than ``tape.batch_jacobian``). The re-check of a kept size's half is paid
+        again by every process, so it counts this job's rows alone. Unknown: yes."""
         compile_s = self.plan.record(label).compile_s
         if not self.throughput_cap or k in called or not compile_s or not rate:
             return True
-        return rows_left / rate * GROWTH_GAIN >= compile_s
+        return (rows_left / rate + later_s) * GROWTH_GAIN >= compile_s
 
     def measured(self, label: str, k: int, seconds: float, peak: int, first: bool, remaining_after: int, *,
                  warm: bool) -> None:
