@@ -37,16 +37,24 @@ def compiled_batch_jacobian(model):
     return tape_fn
 
 
+SETTLED_JOBS = 5  # jobs in a row at one strategy and chunk size after refining: the plan a worker keeps running
+
+
 def ours_until_refined(model, x) -> tuple[object, object, int, float]:
-    """Repeated jobs, each with the last job's plan, until the plan is refined: (problem, plan, jobs, seconds)."""
+    """Repeated jobs, each with the last job's plan, until the plan is refined and its chunk has stopped growing
+    (``SETTLED_JOBS`` jobs alike): (problem, plan, jobs, seconds). Stopping at refining measured a plan before
+    its chunk grew (8 rows where a worker's later jobs run 64: docs/BENCHMARKS.md, "GPU: TensorFlow on an H100")."""
     from worker.engine import build_problem, run_problem
 
     problem = build_problem(model, {"x": x}, kind="batch_jacobian")
-    plan, jobs, t0 = None, 0, time.perf_counter()
+    plan, jobs, t0, alike, last = None, 0, time.perf_counter(), 0, None
     while jobs < MAX_JOBS:
-        plan = run_problem(problem, plan=plan).learned
-        jobs += 1
-        if plan.refined:
+        report = run_problem(problem, plan=plan)
+        plan, jobs = report.learned, jobs + 1
+        now = (report.plan["strategy"], report.plan["chunk_rows"])
+        alike = alike + 1 if plan.refined and now == last else 0
+        last = now
+        if alike >= SETTLED_JOBS:
             break
     return problem, plan, jobs, time.perf_counter() - t0
 
