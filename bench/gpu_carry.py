@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import shutil
 import struct
 import subprocess
@@ -115,7 +116,10 @@ def listing(path: Path) -> dict[str, int]:
 
 def prepare(work: Path, dest: Path, keep_sm: int) -> None:
     wheels = work / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", *PY, "-d", str(wheels), *WHEELS], check=True)
+    # The project's uv environment has no pip: any Python with pip downloads for another platform alike.
+    pip = [sys.executable, "-m", "pip"] if importlib.util.find_spec("pip") else [shutil.which("python3") or "python3",
+                                                                                 "-m", "pip"]
+    subprocess.run([*pip, "download", "-q", *PY, "-d", str(wheels), *WHEELS], check=True)
     stage = work / "stage"
     shutil.rmtree(stage, ignore_errors=True)
     with zipfile.ZipFile(next(wheels.glob("tensorflow-*.whl"))) as whl:
