@@ -28,12 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import max_error
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def compute(work: Path, model: Path, inputs: Path, args: list[str], job: str, *, cpu: bool) -> dict:
     """One ``jacobian compute`` process: its wall time, the result (dense numpy) and the manifest's plan."""
-    from jacobian.results import is_coo, main_array_of, open_node
+    from jacobian.results import coo_of, is_coo, main_array_of, open_node
     from tests.procs import base_env, jacobian_exe
 
     env = base_env(JACOBIAN_CACHE_DIR=str(work / ("cache-cpu" if cpu else "cache-gpu")))
@@ -46,10 +48,8 @@ def compute(work: Path, model: Path, inputs: Path, args: list[str], job: str, *,
     if p.returncode:
         return {"rc": p.returncode, "wall_s": round(wall, 2), "err": p.stderr.strip().splitlines()[-4:]}
     node = open_node(p.stdout.strip().splitlines()[-1])  # the result URI the CLI prints
-    if is_coo(node):  # rows and cols index the (of, wrt) matrix: scattered into a dense array to compare
-        shape = tuple(int(d) for d in node.attrs["shape"])
-        result = np.zeros(shape, np.float64)
-        result[node["rows"][...], node["cols"][...]] = node["values"][...]
+    if is_coo(node):  # a sparse result, made dense to compare
+        result = coo_of(node).toarray().astype(np.float64)
     else:
         result = np.asarray(main_array_of(node)[...], np.float64)
     manifest = json.loads((work / "out" / job / "manifest.json").read_text())
@@ -59,9 +59,10 @@ def compute(work: Path, model: Path, inputs: Path, args: list[str], job: str, *,
                                               "free_bytes_at_start", "peak_bytes") if k in plan}}
 
 
-def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
-    scale = max(float(np.max(np.abs(b))), 1e-30)
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale
+def rel_diff(got: np.ndarray, want: np.ndarray) -> float:
+    """The largest difference over ``want``'s largest magnitude (``bench.common.max_error``)."""
+    err, scale = max_error(got, want)
+    return err / max(scale, 1e-30)
 
 
 def kinds(work: Path) -> list[dict]:

@@ -81,14 +81,18 @@ def emit(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> None:
             json.dump({"machine": machine(), "rows": rows}, fh, indent=2)
 
 
-def assert_same(got: Any, want: Any, what: str, *, rel: float = 1e-4) -> None:
-    """``got`` equals ``want`` up to ``rel`` of ``want``'s largest magnitude (Jacobians of untrained
-    networks can be ~1e-12, where an absolute tolerance would check nothing)."""
+def max_error(got: Any, want: Any) -> tuple[float, float]:
+    """``(largest |got - want|, largest |want|)``, ``want`` reshaped to ``got``'s shape, in float64."""
     import numpy as np
 
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64).reshape(np.shape(got))
-    scale = float(np.abs(want).max())
-    err = float(np.abs(got - want).max())
+    return float(np.abs(got - want).max()), float(np.abs(want).max())
+
+
+def assert_same(got: Any, want: Any, what: str, *, rel: float = 1e-4) -> None:
+    """``got`` equals ``want`` up to ``rel`` of ``want``'s largest magnitude (Jacobians of untrained
+    networks can be ~1e-12, where an absolute tolerance would check nothing)."""
+    err, scale = max_error(got, want)
     assert scale > 0 and err <= rel * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
 
 
