@@ -71,18 +71,18 @@ def test_a_loaded_hosts_sequence_stops_growing():
     host = Ladder(size=8, host=True, footprint=MOBILENET_FOOTPRINT)
     sizes = drive(host, loaded(), 60)
     assert host.size == 32 and max(sizes) == 32 and host.is_settled and host.calibrated, sizes
-    # with noise on every call (lognormal, 15 % and 30 %; a hundred seeds each) the plain rule reaches 128 rows
-    # in 40 or more; the host rule keeps to 32 in 90 or more and reaches 128 in at most 2 (1 seen at 30 %)
+    # with noise on every call (lognormal, 15 % and 30 %; 300 seeds each) the plain rule reaches 128 rows in 40 %
+    # or more; the host rule keeps to 32 in 90 % or more and reaches 128 in at most 2 % (seen: 94-96 %, 1 %)
     for sigma in (0.15, 0.30):
         host_largest, plain_largest = [], []
-        for seed in range(100):
+        for seed in range(300):
             ladder = Ladder(size=8, host=True, footprint=MOBILENET_FOOTPRINT)
             host_largest.append(max(drive(ladder, loaded(sigma=sigma, seed=seed), 60)))
             assert ladder.is_settled
             plain_largest.append(max(drive(Ladder(size=8), loaded(sigma=sigma, seed=seed), 60,
                                            can_grow_to=lambda k: k <= 128)))
-        assert sum(k <= 32 for k in host_largest) >= 90 and host_largest.count(128) <= 2, (sigma, host_largest)
-        assert plain_largest.count(128) >= 40, (sigma, plain_largest)
+        assert sum(k <= 32 for k in host_largest) >= 270 and host_largest.count(128) <= 6, (sigma, host_largest)
+        assert plain_largest.count(128) >= 120, (sigma, plain_largest)
 
 
 @pytest.mark.parametrize("gain,grows", [(0.30, True), (0.0, False)])
