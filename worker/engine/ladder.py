@@ -9,8 +9,9 @@ a memory fit is extrapolated at most one doubling past what was measured.
 
 - Each size's first call in a process is a warm-up (trace, allocator, oneDNN primitives): not timed.
 - A size is timed only on a call that follows a call of the same size (``steady``): the call after a switch pays
-  for the switch (on MobileNetV3Small's host chunks, 8 rows timed between 16-row calls ran 7-28 % slower per row
-  than 8 rows in a row, 16 rows 1-9 %: strict alternation made every doubling look better than it is).
+  for the switch (on MobileNetV3Small's host chunks on one VM kind, 8 rows timed between 16-row calls ran 7-28 %
+  slower per row than 8 rows in a row, 16 rows 1-9 %: strict alternation made every doubling look better than it
+  is; another VM kind showed no penalty).
 - A comparison of ``small`` and ``large = 2 * small`` times them in turn, two calls of a size at a time (small,
   small, large, large, ...: the second of each timed). Each pair gives one ratio of per-row times; the median of
   ``PAIRS`` (so: the majority, which may be known after two) decides. Load that comes and goes falls on both
