@@ -38,23 +38,24 @@ def test_the_float64_copy_holds_no_second_copy_of_the_weights(model_path):
     assert y64.dtype == np.float64 and np.linalg.norm(y64 - y32) < 1e-3 * np.linalg.norm(y64)
 
 
-def _job(model_path, tmp_path, job_id, cache_dir):
-    """A fresh load of the model (as a new process has) and one guarded job: its manifest."""
+def _job(model_path, tmp_path, job_id, cache_dir, inputs=None, **options):
+    """A fresh load of the model (as a new process has) and one guarded job (``of="y"`` unless ``options`` say):
+    its manifest."""
     from worker.engine import TFMemoryProbe, load_model
     from worker.execution import executor_for
     from worker.execution.local import local_context
     from worker.execution.precision import run_guarded
 
-    ctx = local_context(load_model(model_path), {"x": X}, results_url=str(tmp_path), job_id=job_id,
-                        probe=TFMemoryProbe(), cache_dir=cache_dir, of="y")
+    ctx = local_context(load_model(model_path), inputs or {"x": X}, results_url=str(tmp_path), job_id=job_id,
+                        probe=TFMemoryProbe(), cache_dir=cache_dir, **{"of": "y", **options})
     return run_guarded(executor_for(ctx.job), ctx, keep_copy=False)
 
 
-def test_the_float64_probes_are_kept_in_the_cache_folder_and_the_next_process_loads_them(model_path, tmp_path,
-                                                                                          monkeypatch):
+@pytest.fixture
+def float64_loads(monkeypatch):
+    """Whether each load of a kept float64 trace (``trace_cache.load`` of the float64 copy) found one."""
     from worker.engine import trace_cache
 
-    cache = tmp_path / "cache"
     loads = []
     load = trace_cache.load
 
@@ -65,6 +66,12 @@ def test_the_float64_probes_are_kept_in_the_cache_folder_and_the_next_process_lo
         return found
 
     monkeypatch.setattr(trace_cache, "load", watched)
+    return loads
+
+
+def test_the_float64_probes_are_kept_in_the_cache_folder_and_the_next_process_loads_them(model_path, tmp_path,
+                                                                                          float64_loads):
+    loads, cache = float64_loads, tmp_path / "cache"
     first = _job(model_path, tmp_path, "first", str(cache))
     assert loads == [False]   # traced here, then kept
     second = _job(model_path, tmp_path, "second", str(cache))
@@ -75,6 +82,22 @@ def test_the_float64_probes_are_kept_in_the_cache_folder_and_the_next_process_lo
     loads.clear()
     none = _job(model_path, tmp_path, "nocache", None)   # no cache folder: eager probes, nothing kept or loaded
     assert loads == [] and none["precision_error"] == pytest.approx(first["precision_error"], rel=1e-9)
+
+
+@pytest.mark.parametrize("kind,of,seeded,options", [("vjp", "y", True, {}), ("hvp", "loss", True, {}),
+                                                    ("hessian_trace", "loss", False, {}),
+                                                    ("hessian_eig", "loss", False, {"rank": 2})])
+def test_every_family_keeps_its_float64_probes(model_path, tmp_path, float64_loads, kind, of, seeded, options):
+    """Products and the spectral kinds' applied products too: kept by the first process, loaded by the next, and
+    the estimate what the eager probes of a job without a cache folder give (the float32 side of a spectral
+    estimate may run another route in each job: 1 % there)."""
+    inputs = {"x": X, **({"__seeds__": rand((4, 2, 6), seed=5)} if seeded else {})}
+    cache = str(tmp_path / "cache")
+    jobs = [_job(model_path, tmp_path, f"{kind}{i}", cache_dir, inputs, kind=kind, of=of, wrt="x", **options)
+            for i, cache_dir in enumerate((cache, cache, None))]
+    assert float64_loads == [False, True]
+    errors = [job["precision_error"] for job in jobs]
+    assert errors[0] > 1e-6 and errors == [pytest.approx(errors[2], rel=1e-9 if seeded else 1e-2)] * 3
 
 
 class _Op:
