@@ -188,7 +188,8 @@ def compute_once(problem: Problem, run: DenseRun) -> dict[str, Any]:
         if ranges:
             options = RunOptions(memory_budget_bytes=run.memory_budget_bytes, chunk_rows=chunk_rows,
                                  strategy=run.strategy, refine=run.refine, try_xla=run.try_xla,
-                                 host_reserved_bytes=writer.host_bytes, trace_dir=run.trace_dir)
+                                 host_reserved_bytes=writer.host_bytes, trace_dir=run.trace_dir,
+                                 settle=writer.settle)
             report = run_problem(problem, options=options, ranges=ranges, on_plan=take_plan, on_chunk=take_chunk,
                                  should_stop=run.should_stop, plan=run.plan, probe=run.probe)
             plan_now.update(report.plan or {})

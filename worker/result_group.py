@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from contracts import storage
-from contracts.layout import COMMITTED_DIR, ResultLayout, job_url
+from contracts.layout import COMMITTED_DIR, RESULT_GROUP, ResultLayout, job_url
 
 # Manifest fields also kept as group attributes when the result is sealed.
 SEALED_FIELDS = ("plan", "created_at", "finished_at")
@@ -63,3 +63,17 @@ def uncommit_rows(results_url: str, job_id: str, layout: ResultLayout, ranges: l
     for index in hit:
         storage.delete_prefix(storage.join(base, str(index)))
     return hit
+
+
+def remove_partial_result(results_url: str, job_id: str) -> None:
+    """Remove the job's result group and commit markers (a failed job's partial result); its inputs and
+    any other file of the job folder stay. Nothing there is not an error; raises ``OSError`` when storage fails."""
+    base = job_url(results_url, job_id)
+    storage.delete_prefix(storage.join(base, RESULT_GROUP))
+    storage.delete_prefix(storage.join(base, COMMITTED_DIR))
+
+
+def remove_job_result(results_url: str, job_id: str) -> None:
+    """Remove everything under the job's folder (array, markers, manifest, inputs), as cancel does.
+    Nothing there is not an error; raises ``OSError`` when storage fails."""
+    storage.delete_prefix(job_url(results_url, job_id))

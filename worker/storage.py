@@ -5,7 +5,7 @@ as group attributes, the ``jacobian`` array with ``dimension_names``, metadata c
 result is complete), ``committed/{block}`` (one marker per block whose data is written; resumed jobs
 skip those blocks) and ``manifest.json`` (written last; its presence means the result is complete). A
 reader needs only zarr, xarray (``xarray.open_zarr``) or dask (``dask.array.from_zarr``).
-``remove_partial_result`` and ``remove_job_result`` delete what a failed or canceled job leaves.
+``result_group.remove_partial_result`` and ``remove_job_result`` delete what a failed or canceled job leaves.
 """
 
 from __future__ import annotations
@@ -27,20 +27,6 @@ from contracts.layout import COMMITTED_DIR, JACOBIAN_ARRAY, MANIFEST, RESULT_GRO
 from worker import metrics, result_group
 
 log = logging.getLogger(__name__)
-
-
-def remove_partial_result(results_url: str, job_id: str) -> None:
-    """Remove the job's result group and commit markers (a failed job's partial result); its inputs and
-    any other file of the job folder stay. Nothing there is not an error; raises ``OSError`` when storage fails."""
-    base = job_url(results_url, job_id)
-    storage.delete_prefix(storage.join(base, RESULT_GROUP))
-    storage.delete_prefix(storage.join(base, COMMITTED_DIR))
-
-
-def remove_job_result(results_url: str, job_id: str) -> None:
-    """Remove everything under the job's folder (array, markers, manifest, inputs), as cancel does.
-    Nothing there is not an error; raises ``OSError`` when storage fails."""
-    storage.delete_prefix(job_url(results_url, job_id))
 
 
 class ResultWriteError(RuntimeError):
@@ -261,6 +247,15 @@ class ResultWriter:
             block = self._buffer_block
             raise ValueError(f"rows: block {block.index} got {self._filled} of {block.rows} rows")
 
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait, at most ``timeout_s``, until the blocks queued so far are written (or the writer has failed):
+        a caller timing its own work (a chunk size compared with another) then times it without the block's
+        compression and upload running beside it on the same cores. Raises nothing; ``close`` reports failures."""
+        deadline, done = time.monotonic() + timeout_s, self._queue.all_tasks_done
+        with done:
+            while self._queue.unfinished_tasks and self._thread.is_alive() and time.monotonic() < deadline:
+                done.wait(0.05)
+
     def abort(self) -> None:
         """Stop the writer thread, dropping queued blocks; never raises."""
         self._closed = True
@@ -392,6 +387,7 @@ class ResultWriter:
             except BaseException as err:  # noqa: BLE001 - surfaced by write_rows/close
                 self._error = err
                 return
+            self._queue.task_done()
 
     def _write_block(self, block: Block, data: np.ndarray) -> None:
         placed = self.layout.place(block, data)

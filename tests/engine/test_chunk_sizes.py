@@ -63,3 +63,30 @@ def test_no_chunk_is_more_than_twice_the_largest_size_timed(wide):
     second = run_problem(problem, plan=learned, probe=again, options=RunOptions(try_xla=False, refine="never"))
     assert not over_the_rule(again.calls, timed_in_plan), (sorted(timed_in_plan), again.calls)
     assert all(size <= max(FIRST_ROWS, 2 * before) for size, before in second.plan["chunks_run"])
+
+
+def test_the_writer_settles_before_timed_calls_only(wide):
+    """The result writer compresses a finished block on the same cores while the next chunk runs: a call timed
+    to decide a size waits for it first (``RunOptions.settle``). The calls of a comparison and the first calls
+    of a size are settled; once the ladder has settled on a size, the chunks run beside the writer (no wait);
+    a forced size is never compared and never waits."""
+    problem = build_problem(wide, {"x": rand((128, 64))})   # 8192 rows: a long run after the ladder settles
+    probe = Recording()
+
+    def settle() -> None:
+        probe.calls.append(0)   # 0: a settle before the call that follows it
+
+    run_problem(problem, probe=probe, options=RunOptions(try_xla=False, refine="never", settle=settle))
+    calls = probe.calls
+    settled = [calls[i + 1] for i, k in enumerate(calls[:-1]) if k == 0]
+    sizes = [k for k in calls if k]
+    assert settled and settled[0] == sizes[0], calls   # the first call of the run
+    assert len(set(settled)) >= 2, calls               # both sides of a comparison
+    last_settle = max(i for i, k in enumerate(calls) if k == 0)
+    tail = calls[last_settle + 2:]
+    assert len(tail) >= 10 and 0 not in tail and len(set(tail) - {max(tail)}) <= 1, calls
+    assert len(settled) < len(sizes) / 3, calls
+    forced = Recording()
+    run_problem(problem, probe=forced, options=RunOptions(try_xla=False, chunk_rows=512,
+                                                           settle=lambda: forced.calls.append(0)))
+    assert 0 not in forced.calls and set(forced.calls) == {512}, forced.calls

@@ -101,7 +101,7 @@ def test_compute_to_storage_on_s3_equals_tape_jacobian(s3_env, tmp_path):
 
 def test_result_removal_on_s3(s3_env):
     """``remove_partial_result`` keeps the job's inputs; ``remove_job_result`` empties its folder only."""
-    from worker.storage import remove_job_result, remove_partial_result
+    from worker.result_group import remove_job_result, remove_partial_result
 
     results = f"s3://{s3_env}/results"
     layout = ResultLayout(shape=(6, 5), iter_start=0, iter_stop=1, itemsize=4, block_bytes=40)  # 3 blocks

@@ -23,7 +23,7 @@ def written_job(results: Path, job_id: str) -> Path:
 
 
 def test_remove_partial_result_keeps_the_inputs(tmp_path: Path) -> None:
-    from worker.storage import remove_partial_result
+    from worker.result_group import remove_partial_result
 
     job = written_job(tmp_path, "j1")
     other = written_job(tmp_path, "j2")
@@ -35,7 +35,7 @@ def test_remove_partial_result_keeps_the_inputs(tmp_path: Path) -> None:
 
 
 def test_remove_job_result_removes_the_job_folder_only(tmp_path: Path) -> None:
-    from worker.storage import remove_job_result
+    from worker.result_group import remove_job_result
 
     written_job(tmp_path, "j1")
     other = written_job(tmp_path, "j2")
@@ -45,7 +45,7 @@ def test_remove_job_result_removes_the_job_folder_only(tmp_path: Path) -> None:
 
 
 def test_removal_raises_oserror_when_storage_fails(tmp_path: Path, monkeypatch) -> None:
-    from worker.storage import remove_job_result, remove_partial_result
+    from worker.result_group import remove_job_result, remove_partial_result
 
     written_job(tmp_path, "j1")
 

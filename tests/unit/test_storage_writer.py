@@ -196,6 +196,52 @@ def test_upload_queue_is_bounded(tmp_path: Path) -> None:
     assert w.committed_blocks() == set(range(8))
 
 
+def test_settle_returns_when_the_queued_blocks_are_written(tmp_path: Path) -> None:
+    """The engine settles the writer before a timed call: when ``settle`` returns, every block handed over is
+    committed (the writer's thread idle), however slow storage is; it waits for nothing once the thread died."""
+    layout = ResultLayout(shape=(8, 5), iter_start=0, iter_stop=1, itemsize=4, block_bytes=40)  # 4 blocks
+    gate = threading.Event()
+    w = ResultWriter(str(tmp_path), "j", layout=layout, dtype="float32", retry=FAST)
+    w._array = FlakyArray(w._array, failures=0, gate=gate)
+    rows = np.ones((8, 5), np.float32)
+    feed(w, rows, [4])                      # blocks 0 and 1 handed over, both held at the gate
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    w.settle()
+    assert time.monotonic() - t0 >= 0.25
+    assert w.committed_blocks() == {0, 1} and w._queue.unfinished_tasks == 0
+    t0 = time.monotonic()
+    w.settle()                              # nothing queued: returns at once
+    assert time.monotonic() - t0 < 0.05
+    feed(w, rows[4:], [4], start=4)
+    w.close()
+    assert w.committed_blocks() == {0, 1, 2, 3}
+
+
+def test_settle_gives_up_on_a_failed_or_stuck_writer(tmp_path: Path, layout: ResultLayout) -> None:
+    """A failed writer's thread is gone: ``settle`` returns at once and ``close`` reports the failure; a stuck
+    store holds ``settle`` no longer than its timeout."""
+    w = ResultWriter(str(tmp_path), "j", layout=layout, dtype="float32", retry=FAST)
+    w._array = FlakyArray(w._array, failures=10**6)
+    feed(w, np.zeros((6, 5), np.float32), [2])
+    w._thread.join(5)
+    t0 = time.monotonic()
+    w.settle()
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(ResultWriteError):
+        w.close()
+    stuck = ResultWriter(str(tmp_path), "k", layout=layout, dtype="float32", retry=FAST)
+    gate = threading.Event()
+    stuck._array = FlakyArray(stuck._array, failures=0, gate=gate)
+    feed(stuck, np.zeros((6, 5), np.float32), [2])
+    t0 = time.monotonic()
+    stuck.settle(timeout_s=0.3)
+    assert 0.25 <= time.monotonic() - t0 < 2 and stuck.committed_blocks() == set()
+    gate.set()
+    stuck.close()
+    assert stuck.committed_blocks() == {0}
+
+
 def test_shard_rows_must_align_with_blocks(tmp_path: Path, layout: ResultLayout) -> None:
     with pytest.raises(ValueError, match="block"):
         ResultWriter(str(tmp_path), "j", layout=layout, dtype="float32", rows=(1, 4))

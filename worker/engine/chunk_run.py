@@ -54,7 +54,7 @@ class ChunkRun:
         self.problem, self.plan, self.probe = problem, plan, probe
         self.budget, self.chunk_rows, self.throughput_cap = budget, chunk_rows, throughput_cap
         self.refine, self.pinned, self.on_plan = refine, pinned, on_plan
-        self.trace_dir = trace_dir
+        self.trace_dir, self.writer_settle = trace_dir, None   # writer_settle: ``RunOptions.settle``
         self.free_at_start = int(probe.free_bytes())
         self.limit = self.free_at_start if budget is None else min(self.free_at_start, budget)
         self.usable = SAFETY * self.limit
@@ -109,8 +109,10 @@ class ChunkRun:
 
         XLA runs a power-of-two ``k`` (one compile per size); surplus rows are sliced off on the
         device. Raises what the strategy raises. The call's whole time (trace, peaks) goes to the timeline,
-        a failed call's too.
+        a failed call's too. Where its seconds decide something, the writer's queued blocks are written first.
         """
+        if self.writer_settle is not None and self.timing_decides(label):
+            self.writer_settle()
         t_call = time.perf_counter()
         k = max(n, k or n)
         if parse_label(label)[1]:
@@ -151,6 +153,13 @@ class ChunkRun:
         elif first:   # for later processes: they load the graph instead of tracing it
             keep_trace(self.problem, label, self.trace_dir)
         return rows, seconds, peak, first
+
+    def timing_decides(self, label: str) -> bool:
+        """Whether a call of ``label`` is timed for a decision: a comparison of sizes under way, or a strategy
+        with no ladder yet in this run (its first calls; a trial's candidate); not with a forced size. A block
+        compressed by the writer's thread beside a timed call slowed it by up to 40 % on 2 cores."""
+        ladder = self.ladders.get(label)
+        return self.chunk_rows is None and (ladder is None or not ladder.is_settled)
 
     @property
     def host_measured(self) -> bool:

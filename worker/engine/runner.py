@@ -42,7 +42,9 @@ class RunOptions:
     sweet spot; tests of the memory logic use it to be independent of timing. ``host_reserved_bytes``: host
     memory the caller holds per job besides the chunks (the result writer's buffers); on a GPU chunks are
     capped so that their rows fit on the host beside it. ``trace_dir``: the cache folder, where chunk functions
-    traced by earlier processes are loaded from and this process's are kept (``strategies.keep_trace``)."""
+    traced by earlier processes are loaded from and this process's are kept (``strategies.keep_trace``).
+    ``settle``: called before a call whose time decides a size or a strategy; it waits for the work the caller
+    does beside the chunks (``ResultWriter.settle``: blocks being compressed and uploaded) to finish."""
 
     memory_budget_bytes: int | None = None
     chunk_rows: int | None = None
@@ -52,6 +54,7 @@ class RunOptions:
     throughput_cap: bool = True
     host_reserved_bytes: int = 0
     trace_dir: str | None = None
+    settle: Callable[[], None] | None = None
 
 
 @dataclass
@@ -118,6 +121,7 @@ def run_problem(problem: Problem, *, options: RunOptions | None = None, plan: Pl
                    throughput_cap=options.throughput_cap, refine="never" if strategy is not None else options.refine,
                    try_xla=options.try_xla, pinned=strategy is not None, on_plan=on_plan,
                    host_reserved_bytes=options.host_reserved_bytes, trace_dir=options.trace_dir)
+    run.writer_settle = options.settle
     job_strategy = plan.strategy
     rows_done, compute_s = execute(run, todo, applicable, on_chunk=on_chunk, should_stop=should_stop)
     if plan.strategy == job_strategy and plan.record(steady).usable:

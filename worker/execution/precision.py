@@ -185,7 +185,7 @@ def _guarded(ctx: RunContext, manifest: dict[str, Any], prepared: Prepared) -> d
 def _promoted(ctx: RunContext, ctx64: RunContext, first: Estimate, tol: float) -> tuple[dict[str, Any], dict]:
     """The job computed again on the float64 model (the first result removed first): its manifest and fields."""
     from worker.execution import executor_for
-    from worker.storage import remove_partial_result
+    from worker.result_group import remove_partial_result
 
     log.info("job %s: precision estimate %.3g > tol %.3g: computing again in float64", ctx.job_id, first.error, tol)
     remove_partial_result(ctx.results_url, ctx.job_id)

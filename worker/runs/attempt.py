@@ -18,7 +18,8 @@ from contracts.savedmodel import SavedModelError
 from contracts.settings import Settings
 from worker.engine.errors import EngineError, Stopped
 from worker.inputs import InvalidInputs, ModelPathNotAllowed
-from worker.storage import ResultWriteError, remove_job_result, remove_partial_result
+from worker.result_group import remove_job_result, remove_partial_result
+from worker.storage import ResultWriteError
 
 log = logging.getLogger(__name__)
 
