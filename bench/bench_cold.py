@@ -9,13 +9,19 @@ Wall time from process start to exit and peak RSS (``wait4``'s ru_maxrss) of eac
 rows are compared with the peer's (relative 1e-4). Goals (issue 10): peer/cold >= 2.5, peer/warm
 >= 4, each of ours at most 0.5x the peer's peak RSS. Steady-state figures are printed beside.
 
+``--service`` adds the service as its users run it: one redis-server and one API for the benchmark, and in each
+run a fresh ``jacobian worker`` (its own empty cache, started and idle before the clock starts, as a deployed
+worker is); its first job of the model (``svc1``: loads the model, no plan) and the next two (``svc2``, ``svc3``:
+warm, model and plan in the process), each timed from POST to ``succeeded`` seen by polling every 10 ms, rows
+compared with the peer's, and the worker's peak RSS (``VmHWM``) after them against the peer's.
+
 Every run of ours must plan no chunk more than twice the largest chunk size it had timed (issue 25): the
 manifest's ``plan.chunks_run`` says, per chunk size run, the largest size timed before it; the benchmark
 fails otherwise. ``--hog N`` runs N busy CPU processes (``stress-ng --cpu N`` where installed, else Python
 loops) beside every run, so that the plan can be seen not to explode under load. ``--model mlp`` (a
 64-256-256-64 MLP, 2048 rows) is a smoke run of a few seconds.
 
-Run: .venv/bin/python -m bench.bench_cold [--runs 3] [--hog 2] [--model mlp] [--out bench/results]
+Run: .venv/bin/python -m bench.bench_cold [--runs 3] [--hog 2] [--model mlp] [--jax] [--service] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -116,6 +123,37 @@ def chunk_figures(manifest_path: Path, what: str) -> tuple[dict, list[str]]:
     return figures, chunk_growth_problems(plan, what)
 
 
+def service_jobs(stack: Any, run_index: int, model: tuple[Path, str, str], work: Path, want: np.ndarray,
+                 compared_with: str) -> tuple[dict, list[str]]:
+    """A fresh worker's first job of the model and two warm ones through the service: seconds (POST to
+    ``succeeded``), the strategy and chunk of each, the worker's peak RSS after them; rows checked."""
+    import zarr
+
+    model_dir, of, wrt = model
+    name = f"w{run_index}"
+    stack.start_worker(name)
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    try:
+        with np.load(work / "inputs.npz") as npz:
+            inputs = {k: npz[k] for k in npz.files}
+        for job in ("svc1", "svc2", "svc3"):
+            res = stack.job(inputs, {"model_path": model_dir.name, "of": of, "wrt": wrt})
+            folder = stack.work / "results" / res["id"]
+            ours = np.asarray(zarr.open_array(str(folder / "result.zarr" / "jacobian"), mode="r")[:])
+            assert_same(ours, want.reshape(ours.shape), f"{job} run {run_index}: ours (service) vs {compared_with}",
+                        rel=1e-3 if compared_with == "the JAX peer" else 1e-4)
+            chunks, found = chunk_figures(folder / "manifest.json", f"{job} run {run_index}")
+            problems += found
+            out[job] = {"s": res["seconds"], "strategy": chunks["strategy"], "kept": chunks["kept"],
+                        "max_chunk": chunks["max_chunk"], "max_timed": chunks["max_timed"]}
+            shutil.rmtree(folder)
+        out["worker_rss_MiB"] = stack.worker_peak_rss_mib(name)
+    finally:
+        stack.stop_worker(name)
+    return out, problems
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -131,6 +169,8 @@ def main() -> None:
     ap.add_argument("--precision-probes", type=int, default=None, metavar="N",
                     help="JACOBIAN_PRECISION_PROBES for our runs (default: the service's, 3; 0 shows what the "
                          "precision estimate costs)")
+    ap.add_argument("--service", action="store_true",
+                    help="also the service's jobs on a fresh worker: its first job and two warm ones (POST to done)")
     args = ap.parse_args()
     with cpu_hogs(args.hog) as hogs:
         if hogs:
@@ -147,6 +187,23 @@ def bench(args: argparse.Namespace) -> None:
     problems: list[str] = []
     rows: list[dict] = []
     figures: dict[str, list] = {"peer": [], "cold": [], "warm": []}
+    stack = None
+    if args.service:
+        from bench.bench_plans import Stack
+
+        (work / "service").mkdir()
+        stack = Stack(work / "service", model_dir.parent)
+    try:
+        _runs(args, work, (model_dir, of, wrt), env, stack, rows, figures, problems)
+    finally:
+        if stack is not None:
+            stack.close()
+    _summary(args, work, rows, figures, problems)
+
+
+def _runs(args: argparse.Namespace, work: Path, model: tuple[Path, str, str], env: dict[str, str], stack: Any,
+          rows: list[dict], figures: dict[str, list], problems: list[str]) -> None:
+    model_dir, of, wrt = model
     peer_out = work / "peer.npy"
     for i in range(args.runs):
         peer = run([sys.executable, str(REPO / "bench" / "peer_tape_jacobian.py"), str(model_dir),
@@ -207,12 +264,27 @@ def bench(args: argparse.Namespace) -> None:
                "cold_rss/peer": _ratio(results["cold"]["peak_rss_mib"], peer["peak_rss_mib"], 3),
                "warm_rss/peer": _ratio(results["warm"]["peak_rss_mib"], peer["peak_rss_mib"], 3),
                "cold_chunks": results["cold"]["chunks"], "warm_chunks": results["warm"]["chunks"], **jax_row}
+        if stack is not None:
+            svc, found = service_jobs(stack, i, model, work, want, "the JAX peer" if peer_failed else "tape.jacobian")
+            problems += found
+            row.update({f"{job}_s": svc[job]["s"] for job in ("svc1", "svc2", "svc3")})
+            row.update({"svc_worker_rss_MiB": svc["worker_rss_MiB"],
+                        "peer/svc1": _ratio(peer["wall_s"], svc["svc1"]["s"], 2),
+                        "peer/svc2": _ratio(peer["wall_s"], svc["svc2"]["s"], 2),
+                        "svc_rss/peer": _ratio(svc["worker_rss_MiB"], peer["peak_rss_mib"], 3),
+                        "svc_chunks": {job: svc[job] for job in ("svc1", "svc2", "svc3")}})
+            if jax is not None:
+                row.update({"jax/svc2": round(jax["wall_s"] / svc["svc2"]["s"], 2),
+                            "svc_rss/jax": round(svc["worker_rss_MiB"] / jax["peak_rss_mib"], 3)})
         print(row, flush=True)
         for phase in ("cold", "warm"):
             for line in plan_lines(results[phase]["stderr"])[-3:]:
                 print(f"  {phase}: {line[:300]}")
         rows.append(row)
 
+
+def _summary(args: argparse.Namespace, work: Path, rows: list[dict], figures: dict[str, list],
+             problems: list[str]) -> None:
     def med(key: str) -> float | None:
         values = [r[key] for r in rows if "run" in r and r.get(key) is not None]
         return round(statistics.median(values), 3) if values else None
@@ -221,11 +293,18 @@ def bench(args: argparse.Namespace) -> None:
         rows += [{"ratio": "JAX wall / ours warm wall (median)", "value": med("jax/warm"), "goal": ">= 2"},
                  {"ratio": "ours warm peak RSS / JAX's (median)", "value": med("warm_rss/jax"), "goal": "<= 1"}]
     rows += [
-        {"ratio": "peer wall / ours cold wall (median)", "value": med("peer/cold"), "goal": ">= 2.5"},
+        {"ratio": "peer wall / ours cold wall (median)", "value": med("peer/cold"), "goal": ">= 3"},
         {"ratio": "peer wall / ours warm wall (median)", "value": med("peer/warm"), "goal": ">= 4"},
         {"ratio": "ours cold peak RSS / peer's (median)", "value": med("cold_rss/peer"), "goal": "<= 0.5"},
         {"ratio": "ours warm peak RSS / peer's (median)", "value": med("warm_rss/peer"), "goal": "<= 0.5"},
         {"steady": "peer tape.jacobian call alone (s, median)", "value": med("peer_jacobian_s")},
+        *([{"ratio": "peer wall / the service's first job on a fresh worker (median)", "value": med("peer/svc1")},
+           {"ratio": "peer wall / the service's warm job (median)", "value": med("peer/svc2"), "goal": ">= 4"},
+           {"ratio": "the service worker's peak RSS / peer's (median)", "value": med("svc_rss/peer"),
+            "goal": "<= 0.5"}] if args.service else []),
+        *([{"ratio": "JAX wall / the service's warm job (median)", "value": med("jax/svc2"), "goal": ">= 2"},
+           {"ratio": "the service worker's peak RSS / JAX's (median)", "value": med("svc_rss/jax"), "goal": "<= 1"}]
+          if args.service and args.jax else []),
         {"steady": "ours: last plan lines of the warm run",
          "value": plan_lines(figures["warm"][-1]["stderr"])[-1][:400]},
     ]
@@ -233,7 +312,7 @@ def bench(args: argparse.Namespace) -> None:
                  else "; ".join(problems), "hogs": args.hog})
     print(machine())
     name = "cold_start_mobilenet_v3_small" if args.model == "mobilenet" else f"cold_start_{args.model}"
-    name += "_jax" if args.jax else ""
+    name += ("_jax" if args.jax else "") + ("_service" if args.service else "")
     emit(name + (f"_hog{args.hog}" if args.hog else "")
          + ("" if args.precision_probes is None else f"_probes{args.precision_probes}"), rows, args.out)
     if not args.keep:

@@ -70,6 +70,11 @@ class Stack:
                    len(conn.smembers("rq:workers")) >= 1, f"worker {name}")
         time.sleep(1.0)  # registered and idle in its blocking dequeue
 
+    def worker_peak_rss_mib(self, name: str) -> int:
+        """The worker process's peak resident memory so far (``VmHWM``), MiB."""
+        status = Path(f"/proc/{self.procs[name].proc.pid}/status").read_text()
+        return round(int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024)
+
     def stop_worker(self, name: str) -> None:
         self.procs.pop(name).stop()
 
@@ -90,7 +95,7 @@ class Stack:
         seconds = time.perf_counter() - t0
         if rec["status"] != "succeeded":
             raise RuntimeError(f"job {job_id}: {rec['status']} {rec.get('error')}")
-        return {"seconds": round(seconds, 3), "plan": rec["plan"]}
+        return {"seconds": round(seconds, 3), "plan": rec["plan"], "id": job_id}
 
     def close(self) -> None:
         self.client.close()
