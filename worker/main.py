@@ -232,6 +232,26 @@ def configure_devices(settings: Settings) -> None:
         log.warning("%s", err)
 
 
+def preload_engine() -> None:
+    """Import TensorFlow and the engine now, before the worker takes a job, so that its first job costs what the
+    model costs (loading, traces) and not TensorFlow's import too (3 s of a 2-core VM's CPU; the service's first
+    job of a model took as long as a whole ``jacobian compute`` process). GPUs get memory growth and TF32 off as
+    ``load_model`` gives them (``prepare_gpus``; ``configure_devices`` has pinned the GPU). A failure is logged:
+    the job that needs TensorFlow reports it."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        import worker.execution.dense  # noqa: F401 - the dense family's modules, imported by the first job else
+        from worker.engine.devices import prepare_gpus
+
+        prepare_gpus()
+    except Exception as err:  # noqa: BLE001 - the first job says what is wrong, in its own error
+        log.warning("TensorFlow could not be prepared before the first job: %s: %s", type(err).__name__, err)
+        return
+    log.info("TensorFlow and the engine ready in %.1f s", time.perf_counter() - t0)
+
+
 def worker_name(settings: Settings) -> str:
     gpu = settings.gpu
     return f"{socket.gethostname()}.{os.getpid()}" + (f".gpu{gpu}" if gpu is not None else "")
@@ -263,6 +283,7 @@ def run_worker(burst: bool = False) -> bool:
     settings = get_settings()
     configure_logging("worker", fmt=settings.log_format, level=settings.log_level)
     configure_devices(settings)
+    preload_engine()
     if settings.worker_metrics_port is not None:
         from worker.metrics import start_metrics_server
 
