@@ -97,7 +97,9 @@ def test_a_job_that_kills_its_worker_twice_fails_as_worker_died_and_the_queue_go
         after = pool.wait_terminal(pool.submit(), timeout_s=60)
         assert after.status == JobStatus.succeeded, (after.error, pool.log_tail())
         assert rq_job(pool.conn, poison).worker_name == victims[1]  # never started a third time
-        assert pool.live() == 2 and all(p.poll() is None for p in pool.procs)  # both supervisors restarted theirs
+        # both supervisors restarted theirs (a worker registers once TensorFlow is imported: seconds after its start)
+        pool.wait(lambda: pool.live() == 2, timeout_s=60, what="both restarted workers registered")
+        assert all(p.poll() is None for p in pool.procs)
     finally:
         pool.conn.delete(DELAY_KEY)
         pool.close()
