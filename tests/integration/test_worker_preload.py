@@ -18,8 +18,10 @@ def test_the_worker_is_ready_with_tensorflow_before_it_registers_for_jobs(redis_
     proc = Proc("worker", [*jacobian_exe(), "worker"], env, tmp_path / "worker.log")
     conn = redis.Redis.from_url(redis_server.url)
     try:
-        wait_for(lambda: any(queue.encode() in (conn.hget(f"rq:worker:{w.decode().split(':')[-1]}", "queues") or b"")
-                             for w in conn.smembers("rq:workers")), 120, "the worker registered", report=proc.report)
+        def registered() -> bool:   # rq:workers holds each worker's key, whose hash names its queues
+            return any(queue.encode() in (conn.hget(key, "queues") or b"") for key in conn.smembers("rq:workers"))
+
+        wait_for(registered, 120, "the worker registered", report=proc.report)
         log = proc.tail(100_000)
         ready, registered = log.find("TensorFlow and the engine ready in"), log.find(f"queue '{queue}'")
         assert ready >= 0, log[-3000:]
