@@ -1,8 +1,10 @@
 """Memory-bounded, chunked Jacobians of TensorFlow SavedModels (no Redis, HTTP or storage code).
 
-See docs/ENGINE_API.md. TensorFlow is imported when a model is loaded, not at import time.
+See docs/ENGINE_API.md. TensorFlow is imported when a model is loaded, not at import time, and without Keras and
+JAX (``tf_import``: imported later where a model needs them).
 """
 
+from worker.engine import tf_import
 from worker.engine.errors import (
                                   BatchNotIndependent,
                                   EngineError,
@@ -19,6 +21,8 @@ from worker.engine.plan_cache import DiskPlanCache, MemoryPlanCache, PlanCache, 
 from worker.engine.planner import LinearFit, bucket_rows, fit_linear, plan_chunk
 from worker.engine.problem import Problem, build_problem, plan_key, verify_independence
 from worker.engine.runner import RunOptions, RunReport, compute_in_memory, default_plan, rows_agree, run_problem
+
+tf_import.install()   # none of the modules above imports TensorFlow: the engine's first use does, without Keras
 
 __all__ = [
     "BatchNotIndependent", "EngineError", "GPUMemoryReserved", "InvalidRequest", "MemoryBudgetTooSmall",
