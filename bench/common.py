@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -68,7 +69,20 @@ def machine() -> dict[str, Any]:
     gpus = tf.config.list_physical_devices("GPU")
     return {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "tensorflow": tf.__version__,
-            "device": "GPU" if gpus else "CPU", "processor": platform.processor() or platform.machine()}
+            "device": "GPU" if gpus else "CPU", "processor": platform.processor() or platform.machine(),
+            **cpu_model()}
+
+
+def cpu_model() -> dict[str, Any]:
+    """The CPU's model name and its vector extensions that TensorFlow's kernels use (VMs of one kind differ)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+    return {"cpu": name, "cpu_flags": [f for f in wanted if f in flags]}
 
 
 def emit(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> None:

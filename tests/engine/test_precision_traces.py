@@ -26,15 +26,16 @@ def test_the_float64_copy_holds_no_second_copy_of_the_weights(model_path):
 
     model = load_model(model_path)
     m64 = float64_model(model)
+    assert m64.fn.call is None   # the graph is built on the first call
+    y64 = m64.fn(x=X.astype(np.float64))["y"].numpy()
     weights = sum(int(np.prod(v.shape)) * 8 for v in m64.variables.values() if v.dtype.name == "float64")
-    graph = m64.loaded[1].graph.as_graph_def()
+    graph = m64.fn.call.wrapped.graph.as_graph_def()
     constants = sum(len(n.attr["value"].tensor.tensor_content) for n in graph.node
                     if n.op == "Const" and n.attr["value"].tensor.dtype == types_pb2.DT_DOUBLE)
     fed = [n for n in graph.node if n.op == "Placeholder" and n.attr["dtype"].type == types_pb2.DT_DOUBLE]
     assert weights > 0 and constants < weights / 2
     assert len(fed) >= len([v for v in model.variables.values() if v.dtype.is_floating])
     y32 = model.fn(x=X)["y"].numpy()
-    y64 = m64.fn(x=X.astype(np.float64))["y"].numpy()
     assert y64.dtype == np.float64 and np.linalg.norm(y64 - y32) < 1e-3 * np.linalg.norm(y64)
 
 
@@ -69,13 +70,31 @@ def float64_loads(monkeypatch):
     return loads
 
 
+@pytest.fixture
+def float64_builds(monkeypatch):
+    """How many times the float64 copy's graph was built (``float64._convert``)."""
+    from worker.engine import float64
+
+    builds = []
+    convert = float64._convert
+
+    def counted(*args, **kwargs):
+        builds.append(1)
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(float64, "_convert", counted)
+    return builds
+
+
 def test_the_float64_probes_are_kept_in_the_cache_folder_and_the_next_process_loads_them(model_path, tmp_path,
-                                                                                          float64_loads):
+                                                                                          float64_loads,
+                                                                                          float64_builds):
+    """The next process loads the kept probes, bound to the copy's variables, and never builds the copy's graph."""
     loads, cache = float64_loads, tmp_path / "cache"
     first = _job(model_path, tmp_path, "first", str(cache))
-    assert loads == [False]   # traced here, then kept
+    assert loads == [False] and len(float64_builds) == 1   # traced here (through the copy's graph), then kept
     second = _job(model_path, tmp_path, "second", str(cache))
-    assert loads == [False, True]
+    assert loads == [False, True] and len(float64_builds) == 1
     assert first["precision_probes"] == second["precision_probes"] == 3
     assert first["precision_error"] > 1e-6   # the cancelling model's error, found the same way twice
     assert second["precision_error"] == pytest.approx(first["precision_error"], rel=1e-9)

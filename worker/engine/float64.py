@@ -9,12 +9,15 @@ values), so the matrix-free ``Operator`` computes its products in float64 exactl
 Ops that have no float64 kernel cannot run: ``FusedBatchNorm*`` in inference (``is_training`` false) is rewritten to
 plain math (``(x - mean) * rsqrt(var + epsilon) * scale + offset``); any other op whose float64 run fails makes
 ``Float64Unavailable`` say which (``"float64 probe unavailable: op X has no float64 kernel"``). A float64 model is
-its own float64 copy. The copy is built once per loaded model (``model.compiled.float64``).
+its own float64 copy. The copy is made once per loaded model (``model.compiled.float64``), and its graph on its
+first call (``_Deferred``): a process whose float64 probes come from kept traces (``precision.KEPT``, bound to the
+copy's variables by name) never builds it (0.7-0.9 s of a warm MobileNetV3Small process, and the graph's memory).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,21 +40,73 @@ def is_float64(model: LoadedModel) -> bool:
 
 
 def float64_model(model: LoadedModel) -> LoadedModel:
-    """``model`` evaluated in float64 (itself when it is float64 already); raises ``Float64Unavailable``.
-    Built once per loaded model; a failure is remembered too."""
+    """``model`` evaluated in float64 (itself when it is float64 already): inputs, outputs and the variables its
+    signature reads as float64, the graph built on the first call of ``fn`` (which raises ``Float64Unavailable``
+    where it cannot be; raised here once known). Made once per loaded model; a failure is remembered too."""
     if is_float64(model):
         return model
     if model.compiled.float64 is None:
-        model.compiled.float64 = _built(model)
+        model.compiled.float64 = _deferred(model)
     found = model.compiled.float64
     if isinstance(found, Float64Unavailable):
         raise found
     return found
 
 
-def _built(model: LoadedModel) -> LoadedModel | Float64Unavailable:
+def _read_variables(model: LoadedModel) -> dict[str, str]:
+    """Placeholder op name -> variable name, for the float variables the signature's graph captures."""
+    by_handle = {id(v.handle): name for name, v in model.variables.items() if v.dtype.is_floating}
+    return {internal.op.name: by_handle[id(external)] for external, internal in model.fn.graph.captures
+            if id(external) in by_handle}
+
+
+def _deferred(model: LoadedModel) -> LoadedModel:
+    import tensorflow as tf
+
+    read = set(_read_variables(model).values())
+    variables = {name: tf.Variable(tf.cast(v, tf.float64), trainable=v.trainable,
+                                   name=name.replace("/", "_").replace(":", "_").replace("@", "_"))
+                 for name, v in model.variables.items() if name in read}
+
+    def spec64(s: Any, name: str | None) -> Any:
+        return tf.TensorSpec(s.shape, tf.float64 if s.dtype.is_floating else s.dtype, name)
+
+    input_specs = {n: spec64(s, getattr(s, "name", None)) for n, s in model.input_specs.items()}
+    deferred = _Deferred(model, variables, input_specs)
+    return LoadedModel(path=model.path, signature=model.signature, loaded=(model.loaded, deferred), fn=deferred,
+                       input_specs=input_specs, output_specs={n: spec64(s, n) for n, s in model.output_specs.items()},
+                       variables={**{n: v for n, v in model.variables.items() if n not in variables}, **variables},
+                       fingerprint=f"{model.fingerprint}-float64" if model.fingerprint else "",
+                       graph_ops=model.graph_ops, shapes_of=model)
+
+
+class _Deferred:
+    """The float64 copy's ``fn``: builds the graph (``_built``) on its first call, outside any function being
+    traced (``tf.init_scope``: the check's forward pass runs eagerly), then calls it. A model that cannot be
+    converted raises ``Float64Unavailable`` on every call, and the original remembers it (``float64_model``)."""
+
+    def __init__(self, model: LoadedModel, variables: dict[str, Any], input_specs: dict[str, Any]) -> None:
+        self.model, self.variables, self.input_specs = model, variables, input_specs
+        self.call: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self, **inputs: Any) -> dict[str, Any]:
+        if self.call is None:
+            import tensorflow as tf
+
+            with self._lock, tf.init_scope():
+                if self.call is None:
+                    built = _built(self.model, self.variables, self.input_specs)
+                    if isinstance(built, Float64Unavailable):
+                        self.model.compiled.float64 = built
+                        raise built
+                    self.call = built
+        return self.call(**inputs)
+
+
+def _built(model: LoadedModel, variables: dict[str, Any], input_specs: dict[str, Any]) -> Any:
     try:
-        return _convert(model)
+        return _convert(model, variables, input_specs)
     except Float64Unavailable as err:
         return err
     except Exception as err:  # noqa: BLE001 - any failure to convert is a reason, never a failed job
@@ -63,7 +118,7 @@ def _built(model: LoadedModel) -> LoadedModel | Float64Unavailable:
     try:
         from worker.engine.model import load_model
 
-        return _convert(load_model(model.path, model.signature))
+        return _convert(load_model(model.path, model.signature), variables, input_specs)
     except Float64Unavailable as err:
         return err
     except Exception:  # noqa: BLE001 - the first failure is the one to report
@@ -71,14 +126,12 @@ def _built(model: LoadedModel) -> LoadedModel | Float64Unavailable:
                                   f"({type(first).__name__}: {str(first).splitlines()[0][:200] if str(first) else ''})")
 
 
-def _convert(model: LoadedModel) -> LoadedModel:
+def _convert(model: LoadedModel, variables: dict[str, Any], input_specs: dict[str, Any]) -> Any:
+    """``fn(**inputs)`` of ``model``'s graph in float64, fed ``variables`` (``_deferred``'s, by name), checked."""
     import tensorflow as tf
 
     fn = model.fn
-    # the captured variable handles of the signature's graph: which placeholder reads which variable
-    by_handle = {id(v.handle): name for name, v in model.variables.items() if v.dtype.is_floating}
-    captured = {internal.op.name: by_handle[id(external)] for external, internal in fn.graph.captures
-                if id(external) in by_handle}
+    captured = _read_variables(model)   # which placeholder reads which variable
     graph_def, arg_names, output_names = _frozen(fn)
     _fed_as_placeholders(graph_def, set(captured))
     _rewrite(graph_def)
@@ -89,10 +142,7 @@ def _convert(model: LoadedModel) -> LoadedModel:
     if len(arg_names) != len(input_names) or None in order:
         order = input_names   # the dict's flattening: sorted keys
     output_tensors = dict(zip(sorted(fn.structured_outputs), output_names))
-    variables = {name: tf.Variable(tf.cast(v, tf.float64) if v.dtype.is_floating else v, trainable=v.trainable,
-                                   name=name.replace("/", "_").replace(":", "_").replace("@", "_"))
-                 for name, v in model.variables.items() if name in captured.values()}
-    var_order = [name for name in model.variables if name in variables]
+    var_order = [name for name in model.variables if name in captured.values()]
     const_of = {name: node for node, name in captured.items()}
     held = [graph_def]   # needed while the function is traced, not after
 
@@ -104,10 +154,7 @@ def _convert(model: LoadedModel) -> LoadedModel:
                                              return_elements=[output_tensors[n] for n in names], name="")
         return dict(zip(names, got))
 
-    def spec64(s: Any) -> Any:
-        return tf.TensorSpec(s.shape, tf.float64 if s.dtype.is_floating else s.dtype, getattr(s, "name", None))
-
-    arg_specs = [spec64(specs[n]) for n in order]
+    arg_specs = [input_specs[n] for n in order]
     var_specs = [tf.TensorSpec(variables[n].shape, variables[n].dtype) for n in var_order]
     wrapped = tf.compat.v1.wrap_function(imported, arg_specs + var_specs)
     held.clear()
@@ -118,15 +165,8 @@ def _convert(model: LoadedModel) -> LoadedModel:
                 for n in order]
         return wrapped(*args, *[variables[n] for n in var_order])
 
-    input_specs = {n: spec64(s) for n, s in model.input_specs.items()}
-    output_specs = {n: tf.TensorSpec(s.shape, tf.float64 if s.dtype.is_floating else s.dtype, n)
-                    for n, s in model.output_specs.items()}
-    converted = LoadedModel(path=model.path, signature=model.signature, loaded=(model.loaded, wrapped), fn=call,
-                            input_specs=input_specs, output_specs=output_specs,
-                            variables={**{n: v for n, v in model.variables.items() if n not in variables}, **variables},
-                            fingerprint=f"{model.fingerprint}-float64" if model.fingerprint else "",
-                            graph_ops=model.graph_ops)
-    return _checked(converted)
+    call.wrapped = wrapped   # type: ignore[attr-defined]
+    return _checked(call, input_specs)
 
 
 @contextmanager
@@ -188,17 +228,16 @@ def _fed_as_placeholders(graph_def: Any, names: set[str]) -> None:
         node.attr["shape"].CopyFrom(attr_value_pb2.AttrValue(shape=shape))
 
 
-def _checked(model: LoadedModel) -> LoadedModel:
-    """One forward pass on zeros (free dims 1) that must run: a missing float64 kernel is named here."""
+def _checked(call: Any, input_specs: dict[str, Any]) -> Any:
+    """One forward pass of ``call`` on zeros (free dims 1) that must run: a missing float64 kernel is named here."""
     import tensorflow as tf
 
-    zeros = {n: tf.zeros([1 if d is None else d for d in s.shape.as_list()], s.dtype)
-             for n, s in model.input_specs.items()}
+    zeros = {n: tf.zeros([1 if d is None else d for d in s.shape.as_list()], s.dtype) for n, s in input_specs.items()}
     try:
-        model.fn(**zeros)
+        call(**zeros)
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as err:
         raise Float64Unavailable(_why(str(err))) from None
-    return model
+    return call
 
 
 def _why(message: str) -> str:

@@ -84,6 +84,7 @@ class LoadedModel:
     graph_ops: int = 0               # ops of the signature's graph and its functions: how costly pfor's trace is
     graph_loops: int = 0             # While ops among them: pfor fails on their second derivatives (tuning)
     compiled: CompiledChunks = field(default_factory=CompiledChunks)
+    shapes_of: LoadedModel | None = None   # a model whose outputs have this one's shapes (a float64 copy's original)
 
     def find_variable(self, name: str) -> tuple[str, Any]:
         """The variable called ``name`` and its full name (``contracts.rules.find_variable``: ``:0``

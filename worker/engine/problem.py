@@ -167,9 +167,14 @@ def _probe_gradient(model: LoadedModel, inputs: dict[str, Any], of: str, wrt: st
 
 
 def probe_shape(model: LoadedModel, inputs: dict[str, Any], of: str) -> tuple[int, ...]:
-    """One eager forward pass, no tape: the shape of ``of`` (gradients are checked where they are built)."""
+    """One eager forward pass, no tape: the shape of ``of`` (gradients are checked where they are built); of the
+    model ``model.shapes_of`` names where there is one (a float64 copy not built yet: ``float64.float64_model``)."""
     import tensorflow as tf
 
+    if model.shapes_of is not None:
+        specs = model.shapes_of.input_specs
+        return probe_shape(model.shapes_of, {n: tf.cast(v, specs[n].dtype) if n in specs else v
+                                             for n, v in inputs.items()}, of)
     try:
         y = model.fn(**inputs)[of]
     except (ValueError, TypeError, tf.errors.OpError) as err:

@@ -121,12 +121,12 @@ def prepare(ctx: RunContext, *, keep_copy: bool = True) -> Prepared:
         if is_float64(ctx.load_model()):
             return Prepared(fields=Estimate(0.0, 0, "float64 model: its result is its own float64 probe").fields())
         with one_grappler_pass():
-            try:
+            try:   # the copy's graph is built on its first use: a model it cannot hold fails in either
                 ctx64 = float64_context(ctx)
+                compare = reference(ctx, ctx64)
             except Float64Unavailable as err:
                 return Prepared(fields=Estimate(None, 0, str(err)).fields(), warning=f"precision 'auto' could not "
                                 f"check or promote the result: {err}" if auto else None)
-            compare = reference(ctx, ctx64)
         if not (keep_copy or auto):
             _drop_copy(ctx)
         return Prepared(compare=compare, ctx64=ctx64 if auto else None)
