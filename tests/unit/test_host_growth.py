@@ -44,7 +44,9 @@ def test_the_bar_grows_with_the_memory_a_doubling_adds():
     assert host_growth_gain(1 * MiB, 2 * MiB, 2000 * MiB) == pytest.approx(GROWTH_GAIN, abs=1e-3)
     peak = lambda k: MOBILENET_PEAK[0] + MOBILENET_PEAK[1] * k  # noqa: E731
     bars = {k: host_growth_gain(peak(k), peak(2 * k), MOBILENET_FOOTPRINT) for k in (8, 16, 32, 64)}
-    assert 0.17 < bars[8] < 0.20 and 0.24 < bars[16] < 0.28 and 0.52 < bars[64] < 0.56, bars
+    assert 0.12 < bars[8] < 0.14 and 0.19 < bars[16] < 0.21 and 0.46 < bars[64] < 0.49, bars
+    # the margin is per resident byte: a doubling that adds 8 % to the process must gain 8 % and 5 % more
+    assert host_growth_gain(0, 80 * MiB, 1000 * MiB) == pytest.approx(1.05 * 1.08 - 1)
     assert bars[8] < bars[16] < bars[32] < bars[64]
 
 
@@ -114,3 +116,27 @@ def test_a_doubling_that_cannot_pay_is_not_compared():
     planned = Ladder(size=512, host=True, footprint=2000 * MiB, timed={256, 512}, called={256, 512})
     planned.note_rates({256: 256 / 0.356, 512: 512 / 0.612})
     assert max(drive(planned, lambda k, i: 0.1 + 0.001 * k, 10, peak_of=lambda k: 1000 * k)) == 512
+
+
+def test_a_real_gain_of_a_fifth_keeps_the_doubled_chunk_on_a_quiet_host(monkeypatch):
+    """MobileNetV3Small on the 2-core VMs of 2026-11-26/27: 16-row chunks 10-25 % faster than 8, at ~8 % more of the
+    process. A true 22 % gain, 5 % noise on every call, 200 seeds: the doubled chunk is kept in most of them (with
+    the margin of GROWTH_GAIN per resident byte, in under half), 32 rows are never kept (the next doubling cannot
+    pay for its memory), and no gain at all is still refused (``test_host_decisions_hold_under_moderate_noise``)."""
+    from worker.engine import tuning
+
+    def kept_sizes(sigma: float) -> list[int]:
+        sizes = []
+        for seed in range(200):
+            rng = random.Random(seed)
+            ladder = Ladder(size=8, host=True, footprint=MOBILENET_FOOTPRINT)
+            drive(ladder, lambda k, i, rng=rng: (0.0451 + 0.01 * k) * rng.lognormvariate(0.0, sigma), 60)
+            sizes.append(ladder.size)
+        return sizes
+
+    now = kept_sizes(0.05)
+    assert now.count(16) >= 140 and now.count(32) == 0, now
+    monkeypatch.setattr(tuning, "HOST_MARGIN", GROWTH_GAIN)
+    before = kept_sizes(0.05)
+    assert before.count(16) < 110, before
+

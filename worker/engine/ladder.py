@@ -193,7 +193,8 @@ class Ladder:
         """The gain a doubling from ``small`` to ``large`` must show (host: with the memory it adds)."""
         if not self.host:
             return GROWTH_GAIN
-        return tuning.host_growth_gain(self.peaks.get(small, 0), self.predicted_peak(large), self.footprint)
+        return tuning.host_growth_gain(self.peaks.get(small, 0), self.predicted_peak(large), self.footprint,
+                                       margin=tuning.HOST_MARGIN)
 
     def predicted_peak(self, k: int) -> float:
         """``k`` rows' peak: measured in this run, else the line through the two largest measured below it."""
