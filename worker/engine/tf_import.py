@@ -3,13 +3,13 @@
 ``import tensorflow`` (2.21) ends with ``import keras.src.optimizers`` (so that tf_keras's optimizers register
 with the SavedModel loader; Keras 3 registers nothing there), which imports all of Keras 3, and
 ``tensorflow.lite.python.util`` tries ``from jax import jit`` wherever JAX is installed. Both are guarded by
-``except ImportError`` in TensorFlow. On the CI VM they are 0.65 s and 0.35 s of a 2.6 s import and 185 MiB of a
-process's peak RSS (``bench/bench_tf_import.py``), paid by every ``jacobian compute`` and every worker, where a
-SavedModel needs neither. While TensorFlow's own module is being initialised, the finder installed here answers an
-import of ``keras`` or ``jax`` with a spec whose loader raises ImportError (the spec's origin is the real one, since
-TensorFlow reads Keras's folder from it), so TensorFlow goes on without them; once TensorFlow is imported the
-finder removes itself, and a later ``import keras`` (a ``.keras`` model, ``tf.keras``) or ``import jax`` is an
-ordinary import. Where either was imported before TensorFlow, nothing changes. ``tf_keras``
+``except ImportError`` in TensorFlow. On the CI VM they are 0.8 s of a 2.4 s import and 170 MiB of a process's
+peak RSS once MobileNetV3Small is loaded (``python -m bench.bench_tf_import``), paid by every ``jacobian compute``
+and every worker, where a SavedModel needs neither. While TensorFlow's own module is being initialised, the finder
+installed here answers an import of ``keras`` or ``jax`` with a spec whose loader raises ImportError (the spec's
+origin is the real one, since TensorFlow reads Keras's folder from it), so TensorFlow goes on without them; once
+TensorFlow is imported the finder removes itself, and a later ``import keras`` (a ``.keras`` model, ``tf.keras``) or
+``import jax`` is an ordinary import. Where either was imported before TensorFlow, nothing changes. ``tf_keras``
 (``TF_USE_LEGACY_KERAS=1``) is left alone: its registrations matter to the loader.
 """
 
