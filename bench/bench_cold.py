@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import assert_same, chunk_growth_problems, cpu_hogs, emit, machine
+from bench.common import assert_same, chunk_growth_problems, cpu_hogs, emit, keep_off_the_gpu, machine
 from tests.procs import base_env, jacobian_exe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +90,7 @@ def build_model(name: str, work: Path) -> tuple[Path, str, str]:
     from bench import archs
     from tests import models
 
+    keep_off_the_gpu()  # the peers and our processes are children: the GPU is theirs
     rng = np.random.default_rng(0)
     if name in archs.BUILDERS:
         import keras

@@ -63,6 +63,21 @@ def tf_peak_bytes(fn: Callable[[], Any], device: str = "CPU:0") -> tuple[Any, in
     return out, int(tf.config.experimental.get_memory_info(device)["peak"]) - base
 
 
+def keep_off_the_gpu() -> None:
+    """Hide every GPU from this process's TensorFlow, before its first op: a benchmark's parent only builds models
+    and compares arrays, and TensorFlow without memory growth reserves nearly all of a GPU at its first op. On an
+    H100 that left the JAX peer (a child process) out of memory at a 1x1 convolution (docs/BENCHMARKS.md, "GPU,
+    seventh session"). Where this process's TensorFlow has already made its devices it says so on stderr: its
+    children then share the GPU with it."""
+    import tensorflow as tf
+
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError as err:
+        print(f"WARNING: this benchmark's own process keeps the GPU ({err}); the processes it times share it",
+              file=sys.stderr)
+
+
 def machine() -> dict[str, Any]:
     import tensorflow as tf
 

@@ -5,9 +5,10 @@
 # in place; xz): earlier calls copy the parts to /tmp/parts and unpack them into /tmp/site (see bench/gpu_carry.py).
 # TensorFlow 2.21 is built for CUDA 12; the machine's CUDA libraries are CUDA 13's (PyTorch's wheels). The CUDA 12
 # runtime travels (3.5 MB); cuBLAS, cuFFT, cuSOLVER, cuSPARSE and cuDNN are the machine's, under the names
-# TensorFlow opens (libcublas.so.12 -> libcublas.so.13, ...). Then: a smoke test, bench/bench_gpu.py, and
-# bench/bench_gpu_kinds.py (KINDS_ARGS, e.g. --skip-kinds), bench_cold. Logs and JSON to $OUT. STAGES="smoke gpu kinds cold"
-# (default all). The machine goes back 30 s after a call: issue the calls back to back.
+# TensorFlow opens (libcublas.so.12 -> libcublas.so.13, ...). Then: a smoke test, bench/bench_gpu.py (GPU_ARGS, e.g.
+# "--skip-tape --jobs 2"), bench/bench_gpu_kinds.py (KINDS_ARGS, e.g. --skip-kinds), and bench_cold over COLD_MODELS
+# (default mobilenet_softmax). Logs and JSON to $OUT. STAGES="smoke gpu kinds cold" (default all). The machine goes
+# back 30 s after a call: issue the calls back to back.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -86,7 +87,7 @@ PY
   [ $rc -eq 0 ] || exit 4
 fi
 if [[ " $STAGES " == *" gpu "* ]]; then
-  log "bench_gpu"; timeout ${GPU_TIMEOUT:-300} python3 -m bench.bench_gpu --repeats 5 --loop-rows 20 --out "$OUT" \
+  log "bench_gpu"; timeout ${GPU_TIMEOUT:-300} python3 -m bench.bench_gpu --repeats 5 --loop-rows 20 ${GPU_ARGS:-} --out "$OUT" \
     > "$OUT/bench_gpu.log" 2>&1; log "bench_gpu rc=$?"; grep -v -E '^(I|W)0000|^WARNING' "$OUT/bench_gpu.log" | tail -40
 fi
 if [[ " $STAGES " == *" kinds "* ]]; then
@@ -94,6 +95,9 @@ if [[ " $STAGES " == *" kinds "* ]]; then
     > "$OUT/kinds.log" 2>&1; log "kinds rc=$?"; grep '^{' "$OUT/kinds.log" | cut -c1-600; tail -3 "$OUT/kinds.log"
 fi
 if [[ " $STAGES " == *" cold "* ]]; then
-  log "bench_cold"; timeout ${COLD_TIMEOUT:-300} python3 -m bench.bench_cold --model mobilenet_softmax --runs 1 \
-    ${COLD_ARGS:---jax} --out "$OUT" > "$OUT/cold.log" 2>&1; log "cold rc=$?"; tail -30 "$OUT/cold.log"
+  for model in ${COLD_MODELS:-mobilenet_softmax}; do
+    log "bench_cold $model"; timeout ${COLD_TIMEOUT:-300} python3 -m bench.bench_cold --model "$model" --runs 1 \
+      ${COLD_ARGS:---jax} --out "$OUT" > "$OUT/cold_$model.log" 2>&1; log "cold $model rc=$?"
+    grep -E '^  (run|ratio|check)=' "$OUT/cold_$model.log" | cut -c1-400
+  done
 fi
