@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.ladder_drive import drive as drive_sizes
+from worker.engine import tuning
 from worker.engine.ladder import Ladder
 from worker.engine.tuning import (
     GROWTH_GAIN,
@@ -140,3 +141,13 @@ def test_a_real_gain_of_a_fifth_keeps_the_doubled_chunk_on_a_quiet_host(monkeypa
     before = kept_sizes(0.05)
     assert before.count(16) < 110, before
 
+
+
+@pytest.mark.parametrize("host, footprint, added, want", [
+    (False, 0, 10 << 30, tuning.EXPECTED_GAIN),        # a GPU job: its pool is the planner's; later jobs count fully
+    (True, 1 << 30, 1 << 20, tuning.EXPECTED_GAIN),     # a host job whose doubling adds 0.1 % of the process
+    (True, 1 << 30, 200 << 20, tuning.GROWTH_GAIN),     # MobileNet's 16 -> 32 rows: +20 % of the process's peak
+    (True, 0, 1 << 20, tuning.GROWTH_GAIN),             # footprint unknown: the plain rule
+])
+def test_later_jobs_repay_a_new_size_at_a_trial_s_gain_unless_it_raises_the_host_peak(host, footprint, added, want):
+    assert tuning.later_jobs_gain(100 << 20, (100 << 20) + added, footprint, host=host) == want

@@ -143,3 +143,26 @@ def test_a_comparison_too_long_for_one_job_goes_on_in_the_next():
     drive(second, rates({32: 100.0, 64: 150.0}), 4)    # 32, 32, 64, 64: the second pair, a majority of three
     assert second.size == 64
     assert StrategyRecord.from_json({"comparing": ["x", 2]}).comparing is None   # a damaged entry: ignored
+
+
+def test_a_kept_size_whose_doubling_no_job_timed_is_compared_from_the_first_call():
+    """``grow_first``: begun after two calls of the kept size, a 256-row job never had the rows for 32 against
+    64 (the larger size's warm-up and a pair: 256 rows), so a request of 256-row jobs kept 32-row chunks."""
+    asked = []
+    ladder = Ladder(size=32, timed={16, 32}, called={16, 32})
+    ladder.grow_first(lambda n: asked.append(n) or True)
+    assert asked == [64] and ladder.comparison is not None
+    assert (ladder.comparison.small, ladder.comparison.large, ladder.next_size()) == (32, 64, 64)
+
+
+@pytest.mark.parametrize("why", ["the job's rows or memory", "timed before", "rejected", "size untimed", "memory"])
+def test_a_doubling_is_not_begun_first_where_it_cannot_or_need_not_be(why):
+    ladder = Ladder(size=32, timed={16, 32}, called={16, 32}, by_throughput=why != "memory")
+    if why == "timed before":
+        ladder.timed.add(64)
+    if why == "rejected":
+        ladder.rejected.add(64)
+    if why == "size untimed":
+        ladder.timed.discard(32)
+    ladder.grow_first(lambda n: why != "the job's rows or memory")
+    assert ladder.comparison is None

@@ -251,6 +251,8 @@ class ChunkRun:
             elif record.comparing and self.pending >= comparison_rows(record.comparing[1], warm=True):
                 ladder.resume(*record.comparing)
         self.ladders[label] = ladder
+        if ladder.calibrated and ladder.comparison is None:
+            ladder.grow_first(lambda n: self.can_grow_to(label, n, self.pending))
         return ladder
 
     def next_rows(self, label: str, remaining: int) -> tuple[int, int, int]:
@@ -274,20 +276,21 @@ class ChunkRun:
         return remaining, (min(seen) if seen else remaining), planned
 
     def can_grow_to(self, label: str, k: int, rows_left: int) -> bool:
-        """Whether ``label``'s chunk may double to ``k`` rows: within the chunk cap, with rows left to
-        measure it (its warm-up and one pair; pairs left undecided go on in the next job) and to repay a new
-        size's first call (``compile_s``) at the gain a doubling must bring, and its predicted
-        peak (the bound through this run's peaks and the plan's line, with ``FIRST_CALL_MARGIN`` for a new
-        size's first call) under the limit. Growth stopped by the cap or by memory leaves the ladder
-        calibrated; by the rows running out, not."""
-        ladder = self.ladders[label]
+        """Whether ``label``'s chunk may double to ``k`` rows: within the chunk cap, with rows left to measure it
+        (its warm-up and one pair; pairs left undecided go on in the next job) and to repay a new size's first call
+        (``repays_first_call``), and its predicted peak (the bound through this run's peaks and the plan's line, with
+        ``FIRST_CALL_MARGIN`` for a new size's first call) under the limit. Growth stopped by the cap or by memory
+        leaves the ladder calibrated; by the rows running out, not."""
+        ladder, record = self.ladders[label], self.plan.record(label)
         if rows_left < (comparison_rows(k, warm=k in ladder.called) if self.throughput_cap else k):
             return False
-        if not self.repays_first_call(label, k, ladder.called, rows_left=rows_left,
-                                      rate=ladder.rates().get(ladder.size), later_s=self.plan.work_s):
+        memory = record.memory_at(self.batch)
+        predicted, half = (max(fit_bound(ladder.peaks)(n), memory(n) if memory is not None else 0.0)
+                           for n in (k, k // 2))
+        gain = tuning.later_jobs_gain(half, predicted, self.host.footprint if self.host else 0, host=bool(self.host))
+        if not self.repays_first_call(label, k, ladder.called, rows_left=rows_left, later_s=self.plan.work_s * gain,
+                                      rate=ladder.rates().get(ladder.size) or record.rates.get(ladder.size)):
             return False
-        memory = self.plan.record(label).memory_at(self.batch)
-        predicted = max(fit_bound(ladder.peaks)(k), memory(k) if memory is not None else 0.0)
         fits = (k <= min(self.k_cap.get(label, self.max_rows), self.max_rows)
                 and predicted * tuning.FIRST_CALL_MARGIN <= self.usable)
         ladder.calibrated = ladder.calibrated or not fits
@@ -295,18 +298,15 @@ class ChunkRun:
 
     def repays_first_call(self, label: str, k: int, called: set[int], *, rows_left: int, rate: float | None,
                           later_s: float = 0.0) -> bool:
-        """Whether comparing a chunk size of ``k`` rows can repay its first call in this process: a new size's
-        first call (a trace: pfor's of a large model, a minute; ``compile_s`` of the strategy) must cost less
-        than a doubling's gain (``GROWTH_GAIN``) saves of the work ahead: the rows left at ``rate`` rows/s, and
-        ``later_s`` seconds of later jobs. A doubling passes the compute seconds the plan's jobs have spent
-        (``work_s``, the same economics as a strategy trial's): what it finds is kept in the plan, so its first
-        call is paid once, and a short job alone never repays it (on an H100 a 256-row MLP request kept 8-row
-        chunks for 260 jobs: 8x slower than ``tape.batch_jacobian``). The re-check of a kept size's half is paid
-        again by every process, so it counts this job's rows alone. Unknown: yes."""
+        """Whether a chunk size of ``k`` rows repays its first call here (a trace, ``compile_s``) from what a
+        doubling saves: this job's rows left (at ``rate`` rows/s) at ``GROWTH_GAIN``, and ``later_s`` saved in the
+        plan's later jobs (``can_grow_to``: its jobs' compute so far at ``tuning.later_jobs_gain``; at ``GROWTH_GAIN``
+        an H100 ran an MLP's 256-row jobs in 8-row chunks after 1249 jobs, 9x slower than ``tape.batch_jacobian``).
+        A kept size's half is re-checked in every process: this job alone. Unknown: yes."""
         compile_s = self.plan.record(label).compile_s
         if not self.throughput_cap or k in called or not compile_s or not rate:
             return True
-        return (rows_left / rate + later_s) * GROWTH_GAIN >= compile_s
+        return rows_left / rate * GROWTH_GAIN + later_s >= compile_s
 
     def measured(self, label: str, k: int, seconds: float, peak: int, first: bool, remaining_after: int, *,
                  warm: bool) -> None:

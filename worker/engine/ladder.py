@@ -124,6 +124,16 @@ class Ladder:
         if self.by_throughput and self.size == small and large == 2 * small and large not in self.rejected:
             self.comparison = Comparison(small, large, pairs=[(float(a), float(b)) for a, b in pairs])
 
+    def grow_first(self, can_grow_to: Callable[[int], bool]) -> None:
+        """A plan's kept size whose doubling no job has timed: compare the two from the job's first call, where
+        ``can_grow_to`` allows it (the job's rows hold the larger size's warm-up and a pair, ...). Begun after
+        two calls of the kept size, as ``observe`` does, a 256-row job never had the rows to compare 32 with
+        64: on an H100 the MLP's request kept 32 rows or fewer, 9x slower than ``tape.batch_jacobian``."""
+        nxt = 2 * self.size
+        if (self.by_throughput and self.size in self.timed and nxt not in self.timed and nxt not in self.rejected
+                and self.may_pay(nxt) and can_grow_to(nxt)):
+            self.comparison = Comparison(self.size, nxt)
+
     def open_pairs(self) -> list[Any] | None:
         """The comparison under way as ``[small, large, pairs]`` for the plan (None: none, or no pair yet)."""
         c = self.comparison
