@@ -2,7 +2,7 @@
 
 A per-example Jacobian of a narrow MLP (256-16-256 by default, batch 4: 256 rows a job, a call about a millisecond
 at any size up to 64 rows) stands on the CPU for what an H100 showed with the 256-512-512-256 MLP (docs/BENCHMARKS.md,
-"GPU, seventh session"): calls so short that the per-call overhead is most of the time, where every doubling of the
+"GPU again"): calls so short that the per-call overhead is most of the time, where every doubling of the
 chunk pays and a job is over before a comparison begun mid-job can finish. Jobs run one after another, each with
 the plan the last one learnt, ``--jobs`` of them, as a worker runs a request's jobs; printed: the seconds they
 took, each change of (strategy, chunk) on the way, and then ours (the plan the last job learnt) against

@@ -66,8 +66,8 @@ def tf_peak_bytes(fn: Callable[[], Any], device: str = "CPU:0") -> tuple[Any, in
 def keep_off_the_gpu() -> None:
     """Hide every GPU from this process's TensorFlow, before its first op: a benchmark's parent only builds models
     and compares arrays, and TensorFlow without memory growth reserves nearly all of a GPU at its first op. On an
-    H100 that left the JAX peer (a child process) out of memory at a 1x1 convolution (docs/BENCHMARKS.md, "GPU,
-    seventh session"). Where this process's TensorFlow has already made its devices it says so on stderr: its
+    H100 that left the JAX peer (a child process) out of memory at a 1x1 convolution (docs/BENCHMARKS.md, "GPU
+    again"). Where this process's TensorFlow has already made its devices it says so on stderr: its
     children then share the GPU with it."""
     import tensorflow as tf
 

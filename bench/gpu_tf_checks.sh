@@ -97,7 +97,8 @@ fi
 if [[ " $STAGES " == *" cold "* ]]; then
   for model in ${COLD_MODELS:-mobilenet_softmax}; do
     log "bench_cold $model"; timeout ${COLD_TIMEOUT:-300} python3 -m bench.bench_cold --model "$model" --runs 1 \
-      ${COLD_ARGS:---jax} --out "$OUT" > "$OUT/cold_$model.log" 2>&1; log "cold $model rc=$?"
+      ${COLD_ARGS:---jax} --out "$OUT" > "$OUT/cold_$model.log" 2>&1; rc=$?; log "cold $model rc=$rc"
     grep -E '^  (run|ratio|check)=' "$OUT/cold_$model.log" | cut -c1-400
+    [ $rc -eq 0 ] || grep -v -E '^(I|W|E)0000|^WARNING|^ ' "$OUT/cold_$model.log" | tail -15   # why it failed
   done
 fi

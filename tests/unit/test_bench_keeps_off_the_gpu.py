@@ -1,7 +1,7 @@
 """A benchmark's own process hides the GPU from its TensorFlow before it builds a model: on an H100, TensorFlow in
 ``bench_cold``'s parent (which only builds the model and compares arrays) reserved nearly all of the GPU at its first
-op, and the JAX peer, a child process, ran out of memory at a 1x1 convolution (docs/BENCHMARKS.md, "GPU, seventh
-session"). This machine has no GPU, so the calls TensorFlow receives are what is checked."""
+op, and the JAX peer, a child process, ran out of memory at a 1x1 convolution (docs/BENCHMARKS.md, "GPU
+again"). This machine has no GPU, so the calls TensorFlow receives are what is checked."""
 
 from __future__ import annotations
 

@@ -284,9 +284,8 @@ class ChunkRun:
         ladder, record = self.ladders[label], self.plan.record(label)
         if rows_left < (comparison_rows(k, warm=k in ladder.called) if self.throughput_cap else k):
             return False
-        memory = record.memory_at(self.batch)
-        predicted, half = (max(fit_bound(ladder.peaks)(n), memory(n) if memory is not None else 0.0)
-                           for n in (k, k // 2))
+        bound, memory = fit_bound(ladder.peaks), record.memory_at(self.batch)
+        predicted, half = (max(bound(n), memory(n) if memory is not None else 0.0) for n in (k, k // 2))
         gain = tuning.later_jobs_gain(half, predicted, self.host.footprint if self.host else 0, host=bool(self.host))
         if not self.repays_first_call(label, k, ladder.called, rows_left=rows_left, later_s=self.plan.work_s * gain,
                                       rate=ladder.rates().get(ladder.size) or record.rates.get(ladder.size)):
