@@ -339,8 +339,8 @@ class Operator:
             if stored is not None:
                 return stored
             spec = {n: tf.TensorSpec(s.shape, s.dtype) for n, s in self.model.input_specs.items()}
-            traced = functools.partial(body(tf, self, kind, label))  # see strategies._compiled
-            return tf.function(traced, reduce_retracing=False,
+            traced = functools.partial(body(tf, self, kind, label))  # see strategies._compiled (and AutoGraph)
+            return tf.function(traced, reduce_retracing=False, autograph=False,
                                input_signature=[tf.TensorSpec([None, None], self.compute_dtype), spec])
 
         return self.model.compiled.get(self.key(kind, label), build)

@@ -315,7 +315,9 @@ def _compiled(tf: Any, problem: Problem, strategy: str, xla: bool, trace_dir: st
         # A partial has no __code__: TensorFlow's frequent-retracing detector then keys on this
         # function alone, not on the body shared by every strategy.
         body = functools.partial(_body(tf, problem, strategy))
-        return tf.function(body, jit_compile=xla, reduce_retracing=False,
+        # No AutoGraph: the bodies branch on Python values only, and converting them converted everything they call
+        # while tracing (tests/engine/test_no_autograph.py); a .keras model's own call keeps it (keras_model.py).
+        return tf.function(body, jit_compile=xla, reduce_retracing=False, autograph=False,
                            input_signature=[tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), spec])
 
     return problem.model.compiled.get(ChunkKey.of_problem(problem, strategy, xla), build)
