@@ -121,3 +121,31 @@ def test_a_short_job_compares_its_plan_s_size_with_twice_it_from_its_first_chunk
     record.rates, record.preferred_rows, record.comparing, plan.work_s = {16: 1000.0, 32: 1500.0}, 32, None, 1000.0
     report = run_problem(problem, plan=plan, options=RunOptions(strategy="tiled", refine="never"))
     assert 64 in {size for size, _ in report.plan["chunks_run"]}, report.plan
+
+
+def test_a_request_of_jobs_too_short_for_a_pair_compares_one_side_a_job(tmp_path):
+    """256-row jobs whose plan keeps 64-row chunks: 64 against 128 needs 128's warm-up and a pair (512 rows), more
+    than a job has; a request that ran jobs before times one side a job instead (two calls of a size, the second
+    timed) and carries the timing in the plan to the next job, which times the other side: 128 is timed and
+    decided over a few jobs. Before, the request kept 64-row chunks for ever (the short-jobs bench: 4x slower
+    than ``tape.batch_jacobian``)."""
+    model = load_model(str(models.mlp(tmp_path / "mlp", sizes=(256, 16, 256))))
+    problem = build_problem(model, {"x": rand((4, 256))}, kind="batch_jacobian")
+    plan = run_problem(problem, plan=Plan(strategy="tiled"), options=RunOptions(strategy="tiled", refine="never")
+                       ).learned
+    record = plan.record("tiled")
+    record.rates, record.preferred_rows, record.comparing = {32: 1000.0, 64: 1500.0}, 64, None
+    plan.work_s, plan.jobs = 1000.0, 10
+    carried, runs = [], []
+    for _ in range(8):
+        report = run_problem(problem, plan=plan, options=RunOptions(strategy="tiled", refine="never"))
+        plan = report.learned
+        runs.append(sorted({size for size, _ in report.plan["chunks_run"]}))
+        carried.append(plan.record("tiled").comparing)
+        if 128 in plan.record("tiled").rates and plan.record("tiled").comparing is None:
+            break
+    record = plan.record("tiled")
+    assert 128 in record.rates, (runs, carried)
+    assert any(c is not None and len(c) == 4 for c in carried), carried   # a small timing waited for its partner
+    assert record.comparing is None and record.preferred_rows in (64, 128), (runs, carried, record)
+    assert max(max(r) for r in runs) == 128

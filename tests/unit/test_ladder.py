@@ -166,3 +166,22 @@ def test_a_doubling_is_not_begun_first_where_it_cannot_or_need_not_be(why):
         ladder.timed.discard(32)
     ladder.grow_first(lambda n: why != "the job's rows or memory")
     assert ladder.comparison is None
+
+
+def test_a_job_with_rows_for_one_side_carries_its_timing_to_the_next():
+    """A 256-row job times 64 rows (after 128's warm-up) and ends; the timing waits in the plan for its partner
+    (``[small, large, pairs, waiting]``), which the next job's 128-row calls give: a pair over two jobs."""
+    from worker.engine.ladder import side_rows
+    from worker.engine.plan import StrategyRecord
+
+    first = Ladder(size=64, timed={32, 64}, called={32, 64})
+    first.grow_first(lambda n: True)
+    assert drive(first, rates({64: 100.0, 128: 150.0}), 3) == [128, 64, 64]   # 256 rows
+    carried = StrategyRecord.from_json(StrategyRecord(comparing=first.open_pairs()).to_json()).comparing
+    assert carried == [64, 128, [], pytest.approx(1 / 100.0)]   # per-row seconds of 64 rows
+    assert side_rows(carried, {64, 128}) == 256 and side_rows([64, 128, []], {64}) == 128 + 128
+
+    second = Ladder(size=64, timed={32, 64}, called={32, 64, 128})
+    second.resume(*carried)
+    assert drive(second, rates({64: 100.0, 128: 150.0}), 2) == [128, 128]   # the job's first call is not timed
+    assert second.open_pairs() == [64, 128, [[pytest.approx(1 / 100.0), pytest.approx(1 / 150.0)]]]

@@ -15,7 +15,7 @@ from worker.engine import tf_logs, tuning
 from worker.engine.agreement import rows_agree
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
 from worker.engine.host_peak import HostPeaks
-from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows
+from worker.engine.ladder import GROWTH_GAIN, Ladder, comparison_rows, side_rows
 from worker.engine.memory import MemoryProbe
 from worker.engine.plan import Plan, parse_label
 from worker.engine.planner import (
@@ -244,12 +244,12 @@ class ChunkRun:
             if kept and kept in record.rates:  # larger sizes the plan timed that did not pay are not tried again
                 ladder.rejected = {k for k, r in record.rates.items()
                                    if k > kept and r < (1 + GROWTH_GAIN) * record.rates[kept]}
-            half = ladder.size // 2   # re-checked where its first call here is repaid (conv1d: a 1 s trace in 3 s)
-            if half in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size and self.repays_first_call(
-                    label, half, called, rows_left=self.pending, rate=record.rates.get(ladder.size)):
+            half, k = ladder.size // 2, ladder.size   # half re-checked where its first call here is repaid
+            if record.comparing and self.pending >= side_rows(record.comparing, called):
+                ladder.resume(*record.comparing)   # first: a re-check in every job kept 256-row jobs from going on
+            if ladder.comparison is None and half in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size \
+                    and self.repays_first_call(label, half, called, rows_left=self.pending, rate=record.rates.get(k)):
                 ladder.recheck()
-            elif record.comparing and self.pending >= comparison_rows(record.comparing[1], warm=True):
-                ladder.resume(*record.comparing)
         self.ladders[label] = ladder
         if ladder.calibrated and ladder.comparison is None:
             ladder.grow_first(lambda n: self.can_grow_to(label, n, self.pending))
@@ -277,12 +277,13 @@ class ChunkRun:
 
     def can_grow_to(self, label: str, k: int, rows_left: int) -> bool:
         """Whether ``label``'s chunk may double to ``k`` rows: within the chunk cap, with rows left to measure it
-        (its warm-up and one pair; pairs left undecided go on in the next job) and to repay a new size's first call
+        (its warm-up and a pair; one side where the request ran jobs before) and to repay a new size's first call
         (``repays_first_call``), and its predicted peak (the bound through this run's peaks and the plan's line, with
         ``FIRST_CALL_MARGIN`` for a new size's first call) under the limit. Growth stopped by the cap or by memory
         leaves the ladder calibrated; by the rows running out, not."""
         ladder, record = self.ladders[label], self.plan.record(label)
-        if rows_left < (comparison_rows(k, warm=k in ladder.called) if self.throughput_cap else k):
+        if rows_left < (comparison_rows(k, warm=k in ladder.called, carried=self.plan.jobs > 0)
+                        if self.throughput_cap else k):
             return False
         bound, memory = fit_bound(ladder.peaks), record.memory_at(self.batch)
         predicted, half = (max(bound(n), memory(n) if memory is not None else 0.0) for n in (k, k // 2))

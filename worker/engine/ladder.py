@@ -16,7 +16,8 @@ a memory fit is extrapolated at most one doubling past what was measured.
   small, large, large, ...: the second of each timed). Each pair gives one ratio of per-row times; the median of
   ``PAIRS`` (so: the majority, which may be known after two) decides. Load that comes and goes falls on both
   sides of a pair alike. A job too short for every pair leaves them in the plan and the next job goes on
-  (``resume``).
+  (``resume``); a request's job too short for even one pair times one side (a ``small`` timing then waits in the
+  plan for the next job's ``large`` one), so jobs of 256 rows still compare 64 with 128 rows.
 - Memory-only ladders (``by_throughput=False``) grow after one call of a size while memory allows.
 - A host (CPU) job's ladder (``host``) weighs memory and noise: the bar grows with the memory a doubling
   adds to the process (``footprint``), the pairs' spread must be cleared, and a doubling the last one says
@@ -36,12 +37,22 @@ from worker.engine.tuning import GROWTH_GAIN
 PAIRS = 3            # pairs in a comparison: the median decides (the majority, often known after two)
 
 
-def comparison_rows(large: int, *, warm: bool = False) -> int:
+def comparison_rows(large: int, *, warm: bool = False, carried: bool = False) -> int:
     """Rows a comparison of ``large // 2`` with ``large`` needs to make progress in a job: the warm-up of
     ``large`` (unless ``warm``) and one pair (two calls of each size: the second is timed). The pairs a job leaves
     undecided are carried in the plan to the next job (``open_pairs``), so a short job's chunks still decide a
-    doubling over a few jobs."""
-    return (0 if warm else large) + 2 * (large // 2 + large)
+    doubling over a few jobs; ``carried`` (a request whose jobs recur): one side of a pair is progress enough
+    (``side_rows``)."""
+    return (0 if warm else large) + 2 * (large // 2 if carried else large // 2 + large)
+
+
+def side_rows(comparing: list[Any], called: set[int]) -> int:
+    """Rows a job needs to go on with a comparison carried from an earlier job (``open_pairs``): the warm-up of
+    ``large`` (unless ``called``) and two calls of the side the comparison waits for (``large`` when a ``small``
+    timing waiting for its partner came with it, else ``small``), the second of them timed. A request of jobs too
+    short for a pair still decides a doubling, one side a job: 256-row jobs compared 64 with 128 rows over jobs."""
+    small, large, _, *waiting = comparing
+    return (0 if large in called else large) + 2 * (large if waiting else small)
 
 
 def growth_verdict(pairs: list[tuple[float, float]], *, gain: float = GROWTH_GAIN,
@@ -119,10 +130,12 @@ class Ladder:
         if self.size >= 2 and self.by_throughput:
             self.comparison = Comparison(self.size // 2, self.size)
 
-    def resume(self, small: int, large: int, pairs: list[list[float]]) -> None:
-        """Go on with a comparison an earlier job left undecided (its pairs, from the plan)."""
+    def resume(self, small: int, large: int, pairs: list[list[float]], waiting: float | None = None) -> None:
+        """Go on with a comparison an earlier job left undecided (its pairs, and a ``small`` timing ``waiting``
+        for its ``large`` partner, from the plan)."""
         if self.by_throughput and self.size == small and large == 2 * small and large not in self.rejected:
-            self.comparison = Comparison(small, large, pairs=[(float(a), float(b)) for a, b in pairs])
+            self.comparison = Comparison(small, large, pairs=[(float(a), float(b)) for a, b in pairs],
+                                         waiting=None if waiting is None else float(waiting))
 
     def grow_first(self, can_grow_to: Callable[[int], bool]) -> None:
         """A plan's kept size whose doubling no job has timed: compare the two from the job's first call, where
@@ -135,9 +148,13 @@ class Ladder:
             self.comparison = Comparison(self.size, nxt)
 
     def open_pairs(self) -> list[Any] | None:
-        """The comparison under way as ``[small, large, pairs]`` for the plan (None: none, or no pair yet)."""
+        """The comparison under way as ``[small, large, pairs]`` for the plan, ``[small, large, pairs, waiting]``
+        where a ``small`` timing waits for its partner (None: none, or nothing timed yet)."""
         c = self.comparison
-        return None if c is None or not c.pairs else [c.small, c.large, [list(p) for p in c.pairs]]
+        if c is None or not (c.pairs or c.waiting is not None):
+            return None
+        carried = [c.small, c.large, [list(p) for p in c.pairs]]
+        return carried if c.waiting is None else [*carried, c.waiting]
 
     def cap(self, rows: int) -> None:
         """No chunk above ``rows`` (out of memory at twice that, or a peak near the limit): no more growth."""

@@ -101,7 +101,7 @@ class StrategyRecord:
     batch: int | None = None         # the batch size the fits were measured at
     peak_unseen: bool = False        # its chunks' peaks read 0: the allocator statistics do not see its memory
                                      # (XLA on the CPU), so a memory budget cannot bound it
-    comparing: list[Any] | None = None   # an undecided doubling, carried to the next job: [small, large, pairs]
+    comparing: list[Any] | None = None   # an undecided doubling, for the next job: [small, large, pairs(, waiting)]
     peak_measure: str = "allocator"   # what ``peaks`` and ``memory`` count: TensorFlow's "allocator" bytes, or
                                       # "process_rss" (a host job's VmHWM delta over a chunk, where they miss it)
 
@@ -147,10 +147,14 @@ class StrategyRecord:
 
 
 def _comparing(raw: Any) -> list[Any] | None:
-    """A stored open comparison, or None when it is malformed (a plan is advice: never an error)."""
+    """A stored open comparison, ``[small, large, pairs]`` and a ``small`` timing waiting for its partner where one
+    does, or None when it is malformed (a plan is advice: never an error)."""
     try:
-        small, large, pairs = raw
-        return [int(small), int(large), [[float(a), float(b)] for a, b in pairs]]
+        small, large, pairs, *waiting = raw
+        carried = [int(small), int(large), [[float(a), float(b)] for a, b in pairs]]
+        if len(waiting) > 1:
+            return None
+        return carried + [float(w) for w in waiting]
     except (TypeError, ValueError):
         return None
 
