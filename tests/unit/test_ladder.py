@@ -183,5 +183,7 @@ def test_a_job_with_rows_for_one_side_carries_its_timing_to_the_next():
 
     second = Ladder(size=64, timed={32, 64}, called={32, 64, 128})
     second.resume(*carried)
+    second.recheck()   # a plan's re-check of 32 against 64 waits: the carried comparison goes first
+    assert (second.comparison.small, second.comparison.large) == (64, 128)
     assert drive(second, rates({64: 100.0, 128: 150.0}), 2) == [128, 128]   # the job's first call is not timed
     assert second.open_pairs() == [64, 128, [[pytest.approx(1 / 100.0), pytest.approx(1 / 150.0)]]]

@@ -244,11 +244,11 @@ class ChunkRun:
             if kept and kept in record.rates:  # larger sizes the plan timed that did not pay are not tried again
                 ladder.rejected = {k for k, r in record.rates.items()
                                    if k > kept and r < (1 + GROWTH_GAIN) * record.rates[kept]}
-            half, k = ladder.size // 2, ladder.size   # half re-checked where its first call here is repaid
             if record.comparing and self.pending >= side_rows(record.comparing, called):
-                ladder.resume(*record.comparing)   # first: a re-check in every job kept 256-row jobs from going on
-            if ladder.comparison is None and half in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size \
-                    and self.repays_first_call(label, half, called, rows_left=self.pending, rate=record.rates.get(k)):
+                ladder.resume(*record.comparing)   # before a re-check (``Ladder.recheck``)
+            half = ladder.size // 2   # re-checked where its first call here is repaid (conv1d: a 1 s trace in 3 s)
+            if half in timed and self.pending >= tuning.RECHECK_CHUNKS * ladder.size and self.repays_first_call(
+                    label, half, called, rows_left=self.pending, rate=record.rates.get(ladder.size)):
                 ladder.recheck()
         self.ladders[label] = ladder
         if ladder.calibrated and ladder.comparison is None:

@@ -126,8 +126,10 @@ class Ladder:
         return self.size
 
     def recheck(self) -> None:
-        """Compare ``size`` with half of it first (a size a plan kept: does it still pay here, now?)."""
-        if self.size >= 2 and self.by_throughput:
+        """Compare ``size`` with half of it first (a size a plan kept: does it still pay here, now?), unless a
+        comparison carried from an earlier job (``resume``) is under way: it goes first, or a re-check in every
+        256-row job at 16 rows dropped the carried 16-vs-32 comparison in every job."""
+        if self.size >= 2 and self.by_throughput and self.comparison is None:
             self.comparison = Comparison(self.size // 2, self.size)
 
     def resume(self, small: int, large: int, pairs: list[list[float]], waiting: float | None = None) -> None:
