@@ -149,3 +149,20 @@ def test_a_request_of_jobs_too_short_for_a_pair_compares_one_side_a_job(tmp_path
     assert any(c is not None and len(c) == 4 for c in carried), carried   # a small timing waited for its partner
     assert record.comparing is None and record.preferred_rows in (64, 128), (runs, carried, record)
     assert max(max(r) for r in runs) == 128
+
+
+def test_a_job_too_short_for_either_side_leaves_the_carried_comparison_in_the_plan(tmp_path):
+    """A request's plan carries 64 against 128 rows (a 64-row timing waiting for its partner); a job of 128 rows
+    (a range of the request) has rows for neither side (128's warm-up and two calls): it runs 64-row chunks and
+    leaves the comparison to the next job, instead of dropping it."""
+    model = load_model(str(models.mlp(tmp_path / "mlp", sizes=(256, 16, 256))))
+    problem = build_problem(model, {"x": rand((4, 256))}, kind="batch_jacobian")
+    options = RunOptions(strategy="tiled", refine="never")
+    plan = run_problem(problem, plan=Plan(strategy="tiled"), options=options).learned
+    carried = [64, 128, [], 0.0005]
+    record = plan.record("tiled")
+    record.rates, record.preferred_rows, record.comparing = {32: 1000.0, 64: 1500.0}, 64, carried
+    plan.work_s, plan.jobs = 1000.0, 10
+    report = run_problem(problem, plan=plan, ranges=[(0, 128)], options=options)
+    assert {size for size, _ in report.plan["chunks_run"]} == {64}
+    assert report.learned.record("tiled").comparing == carried

@@ -187,3 +187,29 @@ def test_a_job_with_rows_for_one_side_carries_its_timing_to_the_next():
     assert (second.comparison.small, second.comparison.large) == (64, 128)
     assert drive(second, rates({64: 100.0, 128: 150.0}), 2) == [128, 128]   # the job's first call is not timed
     assert second.open_pairs() == [64, 128, [[pytest.approx(1 / 100.0), pytest.approx(1 / 150.0)]]]
+
+
+def test_a_job_too_short_for_either_side_leaves_the_carried_comparison_to_the_next():
+    """A plan carries 64 against 128 with a 64-row timing waiting; a 128-row job of the request (a shard, a
+    smaller request) has rows for neither side and runs 64 rows as before: the comparison stays in the plan for
+    the next job. Before, the job's settle wrote its own (no) comparison over it, and it began again."""
+    carried = [64, 128, [], 0.01]
+    short = Ladder(size=64, timed={32, 64}, called={32, 64})
+    assert drive(short, rates({64: 100.0}), 2) == [64, 64]
+    assert short.open_pairs() is None and short.carried_on(carried) == carried
+    assert short.carried_on(None) is None
+    # it is dropped once the run has decided otherwise: a size kept other than its small side, its large side
+    # timed or refused, or a cap below its large side
+    moved = Ladder(size=32, timed={32, 64}, called={32, 64})
+    assert moved.carried_on(carried) is None
+    grown = Ladder(size=64, timed={32, 64}, called={32, 64}, samples={128: [0.01]})
+    assert grown.carried_on(carried) is None
+    refused = Ladder(size=64, timed={32, 64}, called={32, 64}, rejected={128})
+    assert refused.carried_on(carried) is None
+    capped = Ladder(size=64, timed={32, 64}, called={32, 64})
+    capped.cap(64)
+    assert capped.carried_on(carried) is None
+    # a comparison under way is what the plan keeps
+    going = Ladder(size=64, timed={32, 64}, called={32, 64, 128})
+    going.resume(*carried)
+    assert going.carried_on(carried) == carried and going.carried_on(None) == carried

@@ -359,7 +359,7 @@ class ChunkRun:
             record.seconds = LinearFit(0.0, 1.0 / record.rates[timed[-1]])
         if ladder.size in record.rates:
             record.preferred_rows = ladder.size
-        record.batch, record.comparing = self.batch, ladder.open_pairs()
+        record.batch, record.comparing = self.batch, ladder.carried_on(record.comparing)
 
     def shrink(self, label: str, k: int, *, oom: bool) -> int:
         """After an OOM (or a peak near the limit) at ``k`` rows: halve, and correct the memory line

@@ -109,6 +109,7 @@ class Ladder:
     footprint: int = 0         # host: the process's resident bytes at the job's start (0: unknown)
     last_gain: float | None = None   # host: the gain the last doubling that paid showed beyond its spread
     previous: int | None = None      # the size of the last call observed (None: none yet in this run)
+    capped: int | None = None        # no chunk above this many rows (``cap``; None: not capped)
 
     @property
     def largest_timed(self) -> int:
@@ -158,8 +159,22 @@ class Ladder:
         carried = [c.small, c.large, [list(p) for p in c.pairs]]
         return carried if c.waiting is None else [*carried, c.waiting]
 
+    def carried_on(self, carried: list[Any] | None) -> list[Any] | None:
+        """The comparison the plan keeps after this run: the one under way (``open_pairs``), else the one the plan
+        carried (``carried``, in that form) where this run left it as it was: nothing of a comparison timed here,
+        its small side kept, nothing larger timed or refused, no cap below its large side. A job too short for
+        either side of a carried comparison leaves it to the next job instead of dropping it."""
+        under_way = self.open_pairs()
+        if under_way is not None or not carried:
+            return under_way
+        small, large = carried[0], carried[1]
+        untouched = (self.size == small and large not in self.rejected and not any(k > small for k in self.samples)
+                     and (self.capped or large) >= large)
+        return carried if untouched else None
+
     def cap(self, rows: int) -> None:
         """No chunk above ``rows`` (out of memory at twice that, or a peak near the limit): no more growth."""
+        self.capped = rows
         self.size = max(1, min(self.size, rows))
         self.comparison, self.growing, self.calibrated = None, False, True
 
