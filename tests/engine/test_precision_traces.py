@@ -89,18 +89,25 @@ def float64_builds(monkeypatch):
 def test_the_float64_probes_are_kept_in_the_cache_folder_and_the_next_process_loads_them(model_path, tmp_path,
                                                                                           float64_loads,
                                                                                           float64_builds):
-    """The next process loads the kept probes, bound to the copy's variables, and never builds the copy's graph."""
+    """The next process on other inputs loads the kept probes, bound to the copy's variables, and never builds the
+    copy's graph; one on the same model, request and inputs reads the float64 rows themselves (``reference_rows``)
+    and loads nothing of the copy."""
+    x2 = rand((2, 6), seed=2)
     loads, cache = float64_loads, tmp_path / "cache"
     first = _job(model_path, tmp_path, "first", str(cache))
     assert loads == [False] and len(float64_builds) == 1   # traced here (through the copy's graph), then kept
-    second = _job(model_path, tmp_path, "second", str(cache))
+    second = _job(model_path, tmp_path, "second", str(cache), {"x": x2})
     assert loads == [False, True] and len(float64_builds) == 1
-    assert first["precision_probes"] == second["precision_probes"] == 3
+    again = _job(model_path, tmp_path, "again", str(cache))
+    assert loads == [False, True] and len(float64_builds) == 1   # the first job's float64 rows, read
+    assert first["precision_probes"] == second["precision_probes"] == again["precision_probes"] == 3
     assert first["precision_error"] > 1e-6   # the cancelling model's error, found the same way twice
-    assert second["precision_error"] == pytest.approx(first["precision_error"], rel=1e-9)
+    assert again["precision_error"] == pytest.approx(first["precision_error"], rel=1e-12)
     loads.clear()
-    none = _job(model_path, tmp_path, "nocache", None)   # no cache folder: eager probes, nothing kept or loaded
-    assert loads == [] and none["precision_error"] == pytest.approx(first["precision_error"], rel=1e-9)
+    for job_id, inputs, job in (("nocache1", {"x": X}, first), ("nocache2", {"x": x2}, second)):
+        none = _job(model_path, tmp_path, job_id, None, inputs)   # no cache folder: eager, nothing kept or loaded
+        assert loads == [] and none["precision_error"] == pytest.approx(job["precision_error"], rel=1e-9)
+    assert len(float64_builds) == 3
 
 
 @pytest.mark.parametrize("kind,of,seeded,options", [("vjp", "y", True, {}), ("hvp", "loss", True, {}),

@@ -36,6 +36,7 @@ import numpy as np
 from contracts import storage
 from contracts.kinds import Family, applied_product
 from contracts.layout import job_url
+from worker.execution import reference_rows
 
 if TYPE_CHECKING:
     from worker.execution.base import Executor
@@ -290,23 +291,17 @@ def _group(manifest: dict[str, Any]) -> Any:
 
 
 def _dense(ctx64: RunContext, trace_dir: str | None) -> Callable[[dict[str, Any]], Estimate]:
-    """One-hot VJPs (HVPs) of the float64 model for random rows, then those rows of the stored J (or H)."""
+    """One-hot VJPs (HVPs) of the float64 model for random rows, then those rows of the stored J (or H). The rows
+    are kept in ``trace_dir`` for a later job of the same model, request and inputs (``reference_rows``)."""
     spec = ctx64.spec
     product = "hvp" if spec.scalar_of else "vjp"
-    op, _ = _operator64(ctx64, kind=product, trace_dir=trace_dir)
-    n_rows = op.n_wrt if spec.scalar_of else op.n_of
-    picked = _picked(n_rows)
-    seeds = np.zeros((len(picked), n_rows))
-    seeds[np.arange(len(picked)), picked] = 1.0
-    if product == "vjp":
-        seeds = seeds.reshape((len(picked),) + tuple(op.of_shape))
-    want = _apply64(op, product, op.checked_seeds(product, seeds))
-    if spec.batch_axis:   # row (b, f): the derivative w.r.t. example b's part of every source
-        b_size = op.of_shape[0]
-        examples = picked // max(1, op.n_of // max(1, b_size))
-        want = np.stack([np.concatenate([want[i, s["start"]:s["stop"]].reshape(b_size, -1)[b]
-                                         for s in op.axis.slices.values()]) for i, b in enumerate(examples)])
-    lead = tuple(op.axis.shape) if spec.scalar_of else tuple(op.of_shape)
+    key = reference_key(ctx64, product) if trace_dir else None
+    kept = reference_rows.load(trace_dir, key)
+    if kept is not None:
+        picked, want, lead = kept
+    else:
+        picked, want, lead = _dense_rows(ctx64, product, trace_dir)
+        reference_rows.store(trace_dir, key, picked, want, lead)
     label = "Hessian" if spec.scalar_of else "Jacobian"
     method = f"{len(picked)} random {label} rows against float64 {'HVPs' if spec.scalar_of else 'VJPs'}"
 
@@ -325,6 +320,37 @@ def _dense(ctx64: RunContext, trace_dir: str | None) -> Callable[[dict[str, Any]
         return Estimate(_relative(got, want), len(picked), method)
 
     return compare
+
+
+def _dense_rows(ctx64: RunContext, product: str, trace_dir: str | None) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """``(picked rows, their float64 values, the stored array's leading shape)`` of a dense kind's estimate."""
+    spec = ctx64.spec
+    op, _ = _operator64(ctx64, kind=product, trace_dir=trace_dir)
+    n_rows = op.n_wrt if spec.scalar_of else op.n_of
+    picked = _picked(n_rows)
+    seeds = np.zeros((len(picked), n_rows))
+    seeds[np.arange(len(picked)), picked] = 1.0
+    if product == "vjp":
+        seeds = seeds.reshape((len(picked),) + tuple(op.of_shape))
+    want = _apply64(op, product, op.checked_seeds(product, seeds))
+    if spec.batch_axis:   # row (b, f): the derivative w.r.t. example b's part of every source
+        b_size = op.of_shape[0]
+        examples = picked // max(1, op.n_of // max(1, b_size))
+        want = np.stack([np.concatenate([want[i, s["start"]:s["stop"]].reshape(b_size, -1)[b]
+                                         for s in op.axis.slices.values()]) for i, b in enumerate(examples)])
+    return picked, want, tuple(op.axis.shape) if spec.scalar_of else tuple(op.of_shape)
+
+
+def reference_key(ctx64: RunContext, product: str) -> str | None:
+    """What a dense estimate's float64 rows are kept under: the model's content, the request, the probes and the
+    inputs' bytes (None where the model has no content fingerprint)."""
+    fingerprint = ctx64.load_model().fingerprint
+    if not fingerprint:
+        return None
+    job = ctx64.job
+    request = job.model_dump(mode="json", include={"kind", "of", "wrt", "mode", "reduce", "rows"})
+    return reference_rows.key(fingerprint, job.model.signature, request, product, probes(), PROBE_SEED,
+                              ctx64.load_inputs())
 
 
 def _products(ctx64: RunContext, trace_dir: str | None) -> Callable[[dict[str, Any]], Estimate]:
