@@ -56,6 +56,9 @@ class CompiledChunks:
     def __contains__(self, key: Any) -> bool:
         return key in self._fns
 
+    def __len__(self) -> int:
+        return len(self._fns)
+
     def peek(self, key: Any) -> Any | None:
         """The function compiled for ``key``, or None (nothing is built)."""
         return self._fns.get(key)

@@ -150,8 +150,12 @@ def _drop_copy(ctx: RunContext) -> None:
     import gc
 
     from worker.engine.host_peak import trim_heap
+    from worker.engine.model import LoadedModel
 
-    ctx.load_model().compiled.float64 = None
+    compiled = ctx.load_model().compiled
+    copy, compiled.float64 = compiled.float64, None
+    if isinstance(copy, LoadedModel) and getattr(copy.fn, "call", None) is None and not len(copy.compiled):
+        return   # neither its graph built nor a function of it traced (its rows were kept): nothing to collect
     gc.collect()   # the copy's functions are in reference cycles
     trim_heap()
 
