@@ -134,7 +134,7 @@ def fall_back(run: ChunkRun, applicable: list[str], label: str, why: str, *, sta
     record.status, record.reason = status, why
     run.failures[label] = why
     log.info("strategy %s %s: %s", label, status, why)
-    order = [s for s in tuning.FALLBACKS if s in applicable]
+    order = [s for s in tuning.fallbacks(pinned=run.plan.source == "pinned") if s in applicable]
     left = [s for s in order if run.plan.record(s).usable and s != label]
     if not left:
         raise fail_all(run.problem, run.failures)

@@ -5,7 +5,8 @@ and how far a chunk grows while it is calibrated on the job's own rows.
   trace is cheap there); on a large graph ``tiled`` where it applies (its trace is a plain
   gradient, where pfor's conversion costs ~8 ms per op: 9 s on MobileNetV3Small), else
   ``vectorized``. A similar request's last choice comes first. Failures fall through
-  ``vectorized``, ``loop``, ``eager``. Second derivatives (Hessians) of a graph with ``While`` loops start
+  ``vectorized``, ``tiled``, ``loop``, ``eager`` (a pinned strategy: ``vectorized``, ``loop``, ``eager``).
+  Second derivatives (Hessians) of a graph with ``While`` loops start
   with ``loop`` (``second_order_loops``): pfor cannot convert the loop's gradient (its ``TensorList``
   accumulators lack the handle data pfor needs, TensorFlow 2.21) and spends 50-70 s failing on a 6-variable
   RK4 integrator, where ``loop``'s one-row function traces in seconds and runs a row in milliseconds.
@@ -170,6 +171,13 @@ def default_order(applicable: Iterable[str], similar: str | None = None, *, grap
     first = ["loop", *first] if second_order_loops else first
     order = [s for s in ([similar] if similar else []) + first + list(FALLBACKS) if s in applicable]
     return list(dict.fromkeys(order))
+
+
+def fallbacks(*, pinned: bool) -> tuple[str, ...]:
+    """Where a strategy fails, the next ones in order: the other batched strategy first (pfor fails on a Keras
+    LSTM's loop, where ``tiled`` ran 400 rows in a third of ``loop``'s time), then the per-row ones. A pinned
+    strategy (``RunOptions.strategy``: shards compute every row alike) keeps ``FALLBACKS``."""
+    return FALLBACKS if pinned else ("vectorized", "tiled", "loop", "eager")
 
 
 def alternatives(applicable: Iterable[str], tried: Iterable[str], *, xla: bool) -> list[str]:
