@@ -107,10 +107,7 @@ def fingerprint(queued: QueuedJob, arrays: Mapping[str, np.ndarray]) -> str:
     """SHA-256 of the validated request (spec and input tensors): equal for JSON and .npz forms of
     the same job, indifferent to key order and whitespace."""
     h = hashlib.sha256(json.dumps(queued.model_dump(mode="json"), sort_keys=True).encode())
-    for name in sorted(arrays):
-        arr = np.ascontiguousarray(arrays[name])
-        h.update(json.dumps([name, arr.dtype.str, list(arr.shape)]).encode())
-        h.update(arr.tobytes())
+    npz.update_digest(h, arrays)
     return h.hexdigest()
 
 

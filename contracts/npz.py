@@ -213,3 +213,14 @@ def load(source: bytes | IO[bytes], *, max_bytes: int, max_elements: int) -> dic
         members = read_headers(zf)
         check_limits(members, max_bytes=max_bytes, max_elements=max_elements)
         return read_arrays(zf, members)
+
+
+def update_digest(digest: Any, arrays: Any) -> None:
+    """Feed named arrays to a ``hashlib`` digest, by name order: each one's name, dtype and shape, then its bytes
+    (the request's fingerprint at POST, the precision guard's kept rows' key)."""
+    import json
+
+    for name in sorted(arrays):
+        arr = np.ascontiguousarray(arrays[name])
+        digest.update(json.dumps([name, arr.dtype.str, list(arr.shape)]).encode())
+        digest.update(arr.tobytes())

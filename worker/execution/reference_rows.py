@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from contracts.files import write_atomically
+from contracts.npz import update_digest
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,7 @@ def key(fingerprint: str, signature: str, request: dict[str, Any], product: str,
 
     digest = hashlib.sha256(json.dumps([code_digest(), fingerprint, signature, request, product, probes, seed],
                                        sort_keys=True, default=str).encode())
-    for name in sorted(inputs):
-        arr = np.ascontiguousarray(np.asarray(inputs[name]))
-        digest.update(f"{name}:{arr.dtype.str}:{arr.shape}".encode())
-        digest.update(arr.tobytes())
+    update_digest(digest, inputs)
     return digest.hexdigest()[:32]
 
 
