@@ -13,6 +13,7 @@ from tests.engine.probes import Probe
 from tests.engine.reference import tape_jacobian
 from worker.engine import Plan, RunOptions, build_problem, load_model, run_problem
 from worker.engine.chunk_run import ChunkRun
+from worker.engine.ladder import PAIRS
 from worker.engine.memory import is_out_of_memory
 from worker.engine.trial import run_trial
 
@@ -267,6 +268,9 @@ def test_chunks_double_only_when_paired_timings_pay_and_the_plan_keeps_what_was_
                    try_xla=False, pinned=False, on_plan=None)
     run.pending = 10_000
     called: set[int] = set(problem.model.compiled.sizes(run.key("vectorized")))
+    # 32 rows: a warm-up where no earlier test of the module ran that size, then two calls a side in each of the
+    # two pairs that decide (the majority of PAIRS): 3 % is below the bar in both
+    most_32 = (0 if 32 in called else 1) + 2 * (PAIRS // 2 + 1)
     sizes = []
     for _ in range(30):
         _, k, planned = run.next_rows("vectorized", 10_000)
@@ -275,7 +279,7 @@ def test_chunks_double_only_when_paired_timings_pay_and_the_plan_keeps_what_was_
         called.add(k)
         sizes.append(k)
     assert run.ladders["vectorized"].size == 16 and set(sizes[-10:]) == {16}, sizes
-    assert 32 in sizes and sizes.count(32) <= 4, sizes
+    assert 32 in sizes and sizes.count(32) <= most_32, (sizes, most_32)
     record = plan.record("vectorized")
     assert record.preferred_rows == 16 and set(record.rates) == {8, 16, 32}
     assert all(record.memory(k) >= peak for k, peak in record.peaks.items()), (record.memory, record.peaks)
