@@ -86,20 +86,38 @@ def float64_builds(monkeypatch):
     return builds
 
 
+@pytest.fixture
+def float64_copies(monkeypatch):
+    """How many float64 copies of a model were made (``float64._deferred``: its float64 variables)."""
+    from worker.engine import float64
+
+    copies = []
+    deferred = float64._deferred
+
+    def counted(model):
+        copies.append(1)
+        return deferred(model)
+
+    monkeypatch.setattr(float64, "_deferred", counted)
+    return copies
+
+
 def test_the_float64_probes_are_kept_in_the_cache_folder_and_the_next_process_loads_them(model_path, tmp_path,
                                                                                           float64_loads,
-                                                                                          float64_builds):
+                                                                                          float64_builds,
+                                                                                          float64_copies):
     """The next process on other inputs loads the kept probes, bound to the copy's variables, and never builds the
     copy's graph; one on the same model, request and inputs reads the float64 rows themselves (``reference_rows``)
-    and loads nothing of the copy."""
+    and makes no copy at all."""
     x2 = rand((2, 6), seed=2)
     loads, cache = float64_loads, tmp_path / "cache"
     first = _job(model_path, tmp_path, "first", str(cache))
     assert loads == [False] and len(float64_builds) == 1   # traced here (through the copy's graph), then kept
     second = _job(model_path, tmp_path, "second", str(cache), {"x": x2})
-    assert loads == [False, True] and len(float64_builds) == 1
+    assert loads == [False, True] and len(float64_builds) == 1 and len(float64_copies) == 2
     again = _job(model_path, tmp_path, "again", str(cache))
     assert loads == [False, True] and len(float64_builds) == 1   # the first job's float64 rows, read
+    assert len(float64_copies) == 2   # and not even the copy's float64 variables made
     assert first["precision_probes"] == second["precision_probes"] == again["precision_probes"] == 3
     assert first["precision_error"] > 1e-6   # the cancelling model's error, found the same way twice
     assert again["precision_error"] == pytest.approx(first["precision_error"], rel=1e-12)
