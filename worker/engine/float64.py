@@ -32,6 +32,11 @@ class Float64Unavailable(Exception):
     """The model cannot be evaluated in float64; the message says why (the op without a float64 kernel)."""
 
 
+def float64_fingerprint(fingerprint: str) -> str:
+    """The content fingerprint of the float64 copy of a model with ``fingerprint`` ("" where it has none)."""
+    return f"{fingerprint}-float64" if fingerprint else ""
+
+
 def is_float64(model: LoadedModel) -> bool:
     """Every float input, output and variable of ``model`` is float64 already (nothing to promote)."""
     dtypes = [s.dtype for s in [*model.input_specs.values(), *model.output_specs.values()]]
@@ -76,7 +81,7 @@ def _deferred(model: LoadedModel) -> LoadedModel:
     return LoadedModel(path=model.path, signature=model.signature, loaded=(model.loaded, deferred), fn=deferred,
                        input_specs=input_specs, output_specs={n: spec64(s, n) for n, s in model.output_specs.items()},
                        variables={**{n: v for n, v in model.variables.items() if n not in variables}, **variables},
-                       fingerprint=f"{model.fingerprint}-float64" if model.fingerprint else "",
+                       fingerprint=float64_fingerprint(model.fingerprint),
                        graph_ops=model.graph_ops, shapes_of=model)
 
 
