@@ -158,7 +158,11 @@ def _drop_copy(ctx: RunContext) -> None:
     if copy is None or (isinstance(copy, LoadedModel) and getattr(copy.fn, "call", None) is None
                         and not len(copy.compiled)):
         return   # no copy made, or neither its graph built nor a function of it traced: nothing to collect
-    gc.collect()   # the copy's functions are in reference cycles
+    # The copy's functions are in reference cycles (copy -> its compiled probes -> their Python bodies -> the
+    # Operator -> copy), which the collection frees only once nothing here refers to the copy: with ``copy``
+    # still bound they stayed for the job (MobileNetV3Small 62 MiB, EfficientNetB0 112 MiB of resident memory).
+    del copy
+    gc.collect()
     trim_heap()
 
 
