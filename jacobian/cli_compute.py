@@ -34,10 +34,10 @@ def cmd_compute(args: argparse.Namespace) -> int:
     from jacobian.cli_matfree import kind_options, load_seeds
     from jacobian.cli_sparse import parse_sparsity
     from jacobian.progress import RowProgress
+    from worker.device_setup import configure_devices
     from worker.engine import EngineError
     from worker.execution.local import local_job, run_local
     from worker.inputs import InvalidInputs, effective_budget, load_inputs
-    from worker.main import configure_devices
 
     settings = get_settings()
     job_id = args.job_id or uuid.uuid4().hex

@@ -18,6 +18,7 @@ from contracts.jobstore import JobStore
 from contracts.logs import configure_logging, job_context, start_thread_in_context
 from contracts.records import ErrorInfo
 from contracts.settings import Settings, get_settings
+from worker.device_setup import configure_devices
 
 log = logging.getLogger(__name__)
 
@@ -191,45 +192,6 @@ def record_abandoned(store: JobStore, task: str | None, spec: dict[str, Any], *,
                    "times)")
         store.transition(job_id, JobStatus.queued, error=ErrorInfo(type="WorkerDied", message=message, transient=True))
     return False
-
-
-def configure_devices(settings: Settings) -> None:
-    """Pin one GPU (``settings.gpu``, an index), cap malloc arenas (``settings.malloc_arenas``), turn on
-    memory growth and turn off TensorFloat-32; call before TF starts.
-
-    Before TensorFlow is imported: ``CUDA_VISIBLE_DEVICES`` and ``TF_FORCE_GPU_ALLOW_GROWTH=true`` (unless
-    set), and ``load_model`` turns TF32 off when it imports TensorFlow. After: ``tf.config.set_visible_devices``
-    and ``worker.engine.devices.prepare_gpus``. Errors from an initialised runtime are logged, not raised
-    (``load_model`` raises them again, as the job's error).
-    """
-    import sys
-
-    from worker.engine.errors import EngineError
-    from worker.engine.memory import limit_malloc_arenas
-
-    limit_malloc_arenas(settings.malloc_arenas)
-    gpu = settings.gpu
-    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if gpu is not None and "tensorflow" not in sys.modules:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-        return
-    if "tensorflow" not in sys.modules:
-        return
-    import tensorflow as tf
-
-    from worker.engine.devices import prepare_gpus
-
-    try:
-        gpus = tf.config.list_physical_devices("GPU")
-        if gpu is not None and gpus:
-            tf.config.set_visible_devices(gpus[int(gpu)], "GPU")
-    except (RuntimeError, IndexError, ValueError) as err:
-        log.warning("JACOBIAN_GPU=%s could not be applied: %s", gpu, err)
-    try:
-        prepare_gpus()
-    except EngineError as err:
-        log.warning("%s", err)
 
 
 def preload_engine() -> None:

@@ -296,6 +296,25 @@ def test_the_jacobian_command_help_imports_no_server_or_worker_code(args):
         f"{sorted(top & (SERVER_MODULES | SERVICE_PACKAGES))}"
 
 
+def test_jacobian_compute_imports_no_queue_or_server_packages(tmp_path):
+    """``jacobian compute`` runs the engine in-process: it imports TensorFlow and ``worker``, but not the worker's
+    queue (redis, rq: 0.07 s of a 2.7 s process on a small model) nor the API's stack. Fails if the compute path
+    imports ``worker.main`` again."""
+    import numpy as np
+
+    from tests import models
+    from tests.procs import jacobian_exe
+
+    model = models.mlp(tmp_path / "mlp")
+    np.savez(tmp_path / "inputs.npz", x=np.ones((2, 8), np.float32))
+    done, top = _imported([*jacobian_exe(), "compute", "--model", str(model), "--input", str(tmp_path / "inputs.npz"),
+                           "--out", str(tmp_path / "out"), "--job-id", "j"])
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert {"tensorflow", "worker", "zarr"} <= top, sorted(top)
+    queue_and_api = {"redis", "rq", "fastapi", "starlette", "uvicorn", "app", "s3fs", "boto3", "matplotlib"}
+    assert not top & queue_and_api, f"jacobian compute imported {sorted(top & queue_and_api)}"
+
+
 def test_jacobian_names_resolve_lazily_and_say_what_exists():
     import jacobian
     import jacobian.client
