@@ -244,6 +244,22 @@ def test_a_job_runs_the_strategy_that_finishes_it_first_counting_compiles(loaded
     assert report.plan["strategy"] == "tiled" and report.learned.strategy == "vectorized"
 
 
+def test_a_trial_stops_once_its_pairs_fix_the_verdict(wide, monkeypatch):
+    """``tuning.trial_decided`` ends a trial's pairs once they fix the median (two of three on one side): the
+    trial ran two pairs, and its verdict stands."""
+    from worker.engine import tuning
+
+    problem = build_problem(wide, {"x": rand((32, 64))}, kind="batch_jacobian")
+    plan = run_problem(problem, options=RunOptions(try_xla=False)).learned
+    plan.work_s = 1e6   # a trial pays
+    monkeypatch.setattr(tuning, "clearly_loses", lambda incumbent, candidate: False)
+    monkeypatch.setattr(tuning, "trial_decided", lambda incumbent, candidate: len(incumbent) >= 2)
+    report = run_problem(problem, options=RunOptions(try_xla=False), plan=plan)
+    trial = report.plan["trial"]
+    assert trial is not None and trial.get("pairs") == 2, report.plan
+    assert trial["winner"] in (trial["candidate"], trial["incumbent"])
+
+
 def test_a_trial_stops_after_the_pair_that_shows_the_candidate_clearly_slower(wide, monkeypatch):
     """``tuning.clearly_loses`` ends a trial's pairs early (a candidate 4x slower cost a 15 s trial for a 3 s
     compile); its rows are still checked, and the trial says how many pairs it ran."""

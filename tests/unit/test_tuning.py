@@ -97,6 +97,28 @@ def test_a_candidate_clearly_slower_in_every_pair_so_far_has_lost():
     assert not tuning.candidate_wins([1.0], [4.1])                 # and a trial stopped there keeps the incumbent
 
 
+def test_a_trial_ends_once_its_pairs_so_far_fix_the_median():
+    assert tuning.trial_decided([1.0, 1.0], [0.5, 0.6])            # two of three faster: the candidate wins
+    assert tuning.trial_decided([1.0, 1.0], [1.0, 1.3])            # two of three not faster: the incumbent stays
+    assert not tuning.trial_decided([1.0, 1.0], [0.5, 1.0])        # one each: the third pair decides
+    assert not tuning.trial_decided([1.0], [0.5])                  # one pair of three decides nothing
+    assert not tuning.trial_decided([], [])
+
+
+def test_a_trial_ended_early_has_the_verdict_all_its_pairs_would_have_given():
+    """Whatever the pairs not run would have shown, ``candidate_wins`` over all ``TRIAL_PAIRS`` agrees with the
+    verdict on the pairs a trial stopped at (``trial_decided``)."""
+    ratios = [0.3, 0.9, 0.94, 0.95, 0.96, 1.0, 1.2, 3.0]   # candidate / incumbent, around the 5 % tie band
+    for first in ratios:
+        for second in ratios:
+            done = [first, second]
+            if not tuning.trial_decided([1.0] * 2, done):
+                continue
+            for third in ratios:
+                whole = tuning.candidate_wins([1.0] * 3, [*done, third])
+                assert tuning.candidate_wins([1.0] * 2, done) == whole, (done, third)
+
+
 def test_a_candidate_wins_on_the_median_of_paired_ratios_beyond_the_tie_band():
     incumbent = [1.0, 1.0, 1.0]
     assert tuning.candidate_wins(incumbent, [0.8, 0.9, 0.85])

@@ -221,7 +221,8 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
 
     The candidate first runs a quarter of that chunk (compile, memory reading, rows checked by
     ``_rows_hold``), then the largest power-of-two share of it whose proportional peak stays under
-    the job's memory plan, then ``TRIAL_PAIRS`` interleaved pairs decide (``tuning.candidate_wins``),
+    the job's memory plan, then up to ``TRIAL_PAIRS`` interleaved pairs decide (``tuning.candidate_wins``; fewer
+    where the first already fix the median, ``tuning.trial_decided``),
     each timed call after an untimed one of the same strategy.
     """
     assert run.last is not None
@@ -270,7 +271,7 @@ def run_trial(run: ChunkRun, candidate: str) -> None:
             inc_times.append(s_inc / k_inc)
             cand_times.append(s_c / k_c)
             peaks.append(p_c)
-            if tuning.clearly_loses(inc_times, cand_times):
+            if tuning.clearly_loses(inc_times, cand_times) or tuning.trial_decided(inc_times, cand_times):
                 break
         trial["pairs"] = len(inc_times)
     except Exception as err:  # noqa: BLE001 - a candidate that fails is ruled out, the job goes on
