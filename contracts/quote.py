@@ -76,6 +76,11 @@ class Quote(BaseModel):
                           "no first calls (a worker process that has traced this request)")
     predicted_chunk_rows: int | None = None
     strategy: str | None = None
+    untried_strategies: list[str] = Field(
+        default_factory=list, description="from a plan: strategies this request could run that no job of the plan "
+                                          "has tried. A later job tries one where its compile would pay for itself "
+                                          "(a trial) and may switch to it: its peak and time are not in this quote. "
+                                          "Empty with a pinned chunk_rows or strategy (no trial runs)")
     guess: bool = Field(description="false: predicted from a persisted plan of this request; true: a guess")
     basis: str
     fits: Literal[True] = True
@@ -345,6 +350,11 @@ def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], 
                       "peak_measure": "process_rss" if rss else "allocator"}
             timing = _seconds(plan, label, passes.count, k, secs, forced=spec.chunk_rows is not None)
             fields |= {**timing, "basis": fields["basis"] + timing.get("basis", "")}
+            untried = untried_strategies(plan, spec)
+            if untried:
+                fields |= {"untried_strategies": untried,
+                           "basis": fields["basis"] + f"; not tried yet: {', '.join(untried)} (a job that tries one "
+                                                      "and switches to it has another peak and time)"}
         except (KeyError, ValueError, TypeError, ZeroDivisionError):
             fields = {}
     if not fields:
@@ -362,6 +372,16 @@ def quote(spec: QueuedJob, sig: Signature, variables: Mapping[str, TensorSpec], 
     return Quote(kind=kind.name, family=kind.family.value, of=of,
                  wrt=spec.wrt if spec.wrt is not None else "", mode=mode, arrays=arrays,
                  result_bytes=total, passes=passes, **fields)
+
+
+def untried_strategies(plan: Mapping[str, Any], spec: QueuedJob) -> list[str]:
+    """The plan's strategies no job has tried (``status`` untried), in the plan's order; none where the job pins its
+    chunk size or strategy, since such a job runs no trial (``worker.engine.trial.maybe_trial``). A quote from a
+    plan of one job cannot foresee the trial the next job runs: EfficientNetB0 was quoted 279 MiB at 8 rows of
+    ``tiled`` and ran 111 MiB after its trial switched to ``vectorized``."""
+    if spec.chunk_rows is not None or spec.strategy is not None:
+        return []
+    return [label for label, record in (plan.get("strategies") or {}).items() if record.get("status") == "untried"]
 
 
 def _seconds(plan: Mapping[str, Any], label: str, rows: int, k: int, steady: float | None, *,

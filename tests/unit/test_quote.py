@@ -171,6 +171,22 @@ def test_a_fresh_process_is_quoted_on_the_strategy_that_finishes_first_counting_
         q.predicted_steady_seconds + 100.0, 4)
 
 
+def test_a_quote_names_the_strategies_a_later_job_may_still_try():
+    """A plan whose jobs have not tried every strategy may switch after a trial, to a peak and time the quote cannot
+    know: the quote names them (none with a pinned chunk size or strategy, which runs no trial)."""
+    plan = Plan.from_json(_plan(_key()))
+    plan.record("tiled")   # applicable, never tried
+    q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert q.untried_strategies == ["tiled"] and "not tried yet: tiled" in q.basis
+    assert q.predicted_peak_bytes == 1000 + 100 * 16 and q.strategy == "vectorized"   # the plan's strategy's figures
+    assert quote(job(of="y", wrt="x", chunk_rows=8), SIG, {}, SHAPES, plan=plan.to_json()).untried_strategies == []
+    assert quote(job(of="y", wrt="x", strategy="vectorized"), SIG, {}, SHAPES,
+                 plan=plan.to_json()).untried_strategies == []
+    plan.strategies["tiled"].status = "ok"
+    tried = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
+    assert tried.untried_strategies == [] and "not tried" not in tried.basis
+
+
 def test_a_peak_measured_as_process_rss_is_quoted_as_such():
     """A host job's ``loop`` chunks escape the allocator's statistics: the plan's peaks are the process's RSS
     delta (``peak_measure``), and the quote says so instead of passing them off as allocator bytes."""
