@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zarr
 
-from contracts.quote import first_call_sizes
+from contracts.plan_predictions import first_call_sizes
 from tests import models
 
 pytestmark = pytest.mark.e2e

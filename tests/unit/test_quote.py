@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 
 from contracts.jobspec import SEEDS_MEMBER, ModelRef, QueuedJob
+from contracts.plan_predictions import first_call_sizes
 from contracts.plans import plan_request, request_digest, request_key_json
-from contracts.quote import first_call_sizes, quote
+from contracts.quote import quote
 from contracts.savedmodel import Signature, TensorSpec
 from worker.engine.plan import Plan, PlanKey, StrategyRecord
 from worker.engine.planner import LinearFit
