@@ -252,12 +252,17 @@ def clearly_loses(incumbent_s_per_row: list[float], candidate_s_per_row: list[fl
                                                                               candidate_s_per_row))
 
 
+def paired_ratios(incumbent_s_per_row: list[float], candidate_s_per_row: list[float]) -> list[float]:
+    """Candidate / incumbent seconds per row of each timed pair (a pair whose incumbent read 0 is left out)."""
+    return [c / i for i, c in zip(incumbent_s_per_row, candidate_s_per_row) if i > 0]
+
+
 def trial_decided(incumbent_s_per_row: list[float], candidate_s_per_row: list[float], *, pairs: int = TRIAL_PAIRS,
                   tie_band: float = TIE_BAND) -> bool:
     """True when the pairs so far fix ``candidate_wins``'s verdict over ``pairs`` pairs whatever the others show: more
     than half of ``pairs`` on one side of the tie band (two of three), so the median is on that side too. The
     remaining pairs would only cost their four calls (0.8 s of a warm EfficientNetB0 process's 14 s trial)."""
-    ratios = [c / i for i, c in zip(incumbent_s_per_row, candidate_s_per_row) if i > 0]
+    ratios = paired_ratios(incumbent_s_per_row, candidate_s_per_row)
     majority = pairs // 2 + 1
     faster = sum(r < 1.0 - tie_band for r in ratios)
     return faster >= majority or len(ratios) - faster >= majority
@@ -266,5 +271,5 @@ def trial_decided(incumbent_s_per_row: list[float], candidate_s_per_row: list[fl
 def candidate_wins(incumbent_s_per_row: list[float], candidate_s_per_row: list[float], *,
                    tie_band: float = TIE_BAND) -> bool:
     """True when the median of paired ratios candidate/incumbent is below ``1 - tie_band``."""
-    ratios = [c / i for i, c in zip(incumbent_s_per_row, candidate_s_per_row) if i > 0]
+    ratios = paired_ratios(incumbent_s_per_row, candidate_s_per_row)
     return bool(ratios) and statistics.median(ratios) < 1.0 - tie_band
