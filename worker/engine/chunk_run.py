@@ -76,6 +76,7 @@ class ChunkRun:
         self.delivered: list[tuple[int, int, str]] = []   # (start, stop, label) of each chunk handed on
         self.wrong_delivered: list[tuple[int, int]] = []  # rows handed on by a strategy later found wrong
         self._tiled_running = False
+        self.in_trial = False   # a trial's calls under way (``trial.run_trial``): both sides' readings decide
         self.peak, self.timeline = 0, Timeline()
         self.status: dict[str, Any] = {
             "chunk_rows": None, "strategy": plan.strategy, "mode": problem.mode,
@@ -131,7 +132,8 @@ class ChunkRun:
         fn = chunk_function(self.problem, label, trace_dir=self.trace_dir)
         self.probe.before_chunk(k)
         if self.host is not None:
-            self.host.before(self.plan.record(label), blind=allocator_blind(label), first=first)
+            self.host.before(self.plan.record(label), blind=allocator_blind(label), first=first, size=(label, k),
+                             decides=self.in_trial or self.timing_decides(label))
         self.probe.reset_peak()
         t0 = time.perf_counter()
         with tf_logs.captured(f"strategy {label}"):   # pfor's and the loop converters' dumps: one line
@@ -323,7 +325,7 @@ class ChunkRun:
             return
         ladder = self.ladder(label)
         self.chunks_run[k] = min(self.chunks_run.get(k, ladder.largest_timed), ladder.largest_timed)
-        ladder.observe(k, seconds, peak, warm=warm,
+        ladder.observe(k, seconds, peak, warm=warm, sampled=not (self.host is not None and self.host.skipped),
                        can_grow_to=lambda n: self.can_grow_to(label, n, remaining_after))
         call = self.first_call.get(label)
         if call is not None and warm and k == call[0]:

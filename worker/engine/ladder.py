@@ -178,11 +178,17 @@ class Ladder:
         self.size = max(1, min(self.size, rows))
         self.comparison, self.growing, self.calibrated = None, False, True
 
-    def observe(self, k: int, seconds: float, peak: int, *, warm: bool, can_grow_to: Callable[[int], bool]) -> None:
+    def observe(self, k: int, seconds: float, peak: int, *, warm: bool, can_grow_to: Callable[[int], bool],
+                sampled: bool = True) -> None:
         """Take a chunk of ``k`` rows; ``warm``: its size had run before in this process (a timed call).
-        ``can_grow_to(2 * size)`` says whether memory, the chunk cap and the rows left allow a doubling."""
+        ``can_grow_to(2 * size)`` says whether memory, the chunk cap and the rows left allow a doubling.
+        ``sampled=False``: a settled size's chunk that ran without the host's peak reading the others had
+        (``HostPeaks.skipped``): its time is faster by what that reading costs, so it is no sample."""
         self.called.add(k)
         self.peaks[k] = max(self.peaks.get(k, 0), int(peak))
+        if not sampled and self.is_settled:
+            self.previous = k
+            return
         steady, self.previous = warm and self.previous == k, k   # timed: a warm call after one of its own size
         if not self.by_throughput:
             self.timed.add(k)     # planned by memory alone: one call of a size is all it needs

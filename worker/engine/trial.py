@@ -168,7 +168,11 @@ def maybe_trial(run: ChunkRun, applicable: list[str], *, rows_left: int, seconds
         if candidate is None:
             return
         t0 = time.perf_counter()
-        run_trial(run, candidate)
+        run.in_trial = True
+        try:
+            run_trial(run, candidate)
+        finally:
+            run.in_trial = False
         run.status["trial"]["wall_s"] = round(time.perf_counter() - t0, 3)   # all of it: compile, checks, pairs
         if plan.strategy != incumbent:
             return  # the winner calibrates on the next chunks; further trials come after that
