@@ -13,6 +13,15 @@ from tests.engine.reference import tape_jacobian
 from worker.engine import RunOptions, build_problem, compute_in_memory, load_model, run_problem
 
 
+@pytest.fixture(autouse=True)
+def every_chunk_read(monkeypatch):
+    """Every host chunk's peak read (``HostPeaks`` reads a settled size's first two and every sixteenth): these
+    tests bound or compare the peak of every chunk a job ran, not of the few a job reads for its plan."""
+    from worker.engine.host_peak import HostPeaks
+
+    monkeypatch.setattr(HostPeaks, "RECHECK_SPAN", 1)
+
+
 @pytest.fixture(scope="module")
 def wide_mlp(tmp_path_factory):
     return load_model(str(models.mlp(tmp_path_factory.mktemp("wide") / "mlp", sizes=(256, 512, 512, 256))))
