@@ -75,8 +75,7 @@ class ChunkRun:
         self.last_peak = 0
         self.delivered: list[tuple[int, int, str]] = []   # (start, stop, label) of each chunk handed on
         self.wrong_delivered: list[tuple[int, int]] = []  # rows handed on by a strategy later found wrong
-        self._tiled_running = False
-        self.in_trial = False   # a trial's calls under way (``trial.run_trial``): both sides' readings decide
+        self._tiled_running, self.in_trial = False, False   # in_trial: a trial's calls under way (both sides timed)
         self.peak, self.timeline = 0, Timeline()
         self.status: dict[str, Any] = {
             "chunk_rows": None, "strategy": plan.strategy, "mode": problem.mode,
@@ -133,7 +132,7 @@ class ChunkRun:
         self.probe.before_chunk(k)
         if self.host is not None:
             self.host.before(self.plan.record(label), blind=allocator_blind(label), first=first, size=(label, k),
-                             decides=self.in_trial or self.timing_decides(label))
+                             decides=self.timing_decides(label))
         self.probe.reset_peak()
         t0 = time.perf_counter()
         with tf_logs.captured(f"strategy {label}"):   # pfor's and the loop converters' dumps: one line
@@ -157,11 +156,10 @@ class ChunkRun:
         return rows, seconds, peak, first
 
     def timing_decides(self, label: str) -> bool:
-        """Whether a call of ``label`` is timed for a decision: a comparison of sizes under way, or a strategy
-        with no ladder yet in this run (its first calls; a trial's candidate); not with a forced size. A block
-        compressed by the writer's thread beside a timed call slowed it by up to 40 % on 2 cores."""
-        ladder = self.ladders.get(label)
-        return self.chunk_rows is None and (ladder is None or not ladder.is_settled)
+        """Whether a call of ``label`` is timed for a decision: a trial's (both sides), a comparison of sizes under way,
+        or a strategy with no ladder yet in this run (its first calls); not with a forced size. A block compressed
+        by the writer's thread beside a timed call slowed it by up to 40 % on 2 cores."""
+        return self.in_trial or self.chunk_rows is None and not getattr(self.ladders.get(label), "is_settled", False)
 
     @property
     def host_measured(self) -> bool:
