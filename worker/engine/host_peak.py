@@ -137,7 +137,7 @@ class HostPeaks:
         self.skipped = False
         self._chunks: dict[Any, int] = {}   # (strategy, rows) -> chunks that wanted a span
 
-    def before(self, record: Any, *, blind: bool, first: bool, size: Any = None, decides: bool = True) -> None:
+    def before(self, record: Any, *, blind: bool, first: bool, size: Any, decides: bool) -> None:
         wanted = not first and (blind or record.peak_unseen or record.peak_measure == PROCESS_RSS)
         seen = self._chunks.get(size, 0)
         if wanted:
