@@ -223,3 +223,19 @@ def test_efficientnets_second_job_tries_the_strategy_its_first_job_could_not_aff
     assert 15 < est < 20
     assert not tuning.trial_pays(cost_s=est, remaining_s=38.0, past_work_s=0.0)    # the cold job
     assert tuning.trial_pays(cost_s=est, remaining_s=38.0, past_work_s=43.6)       # the next one
+
+
+def test_an_inlined_body_puts_vectorized_first_at_any_size_and_scales_its_compile_by_the_inlined_factor():
+    applicable = ["tiled", "vectorized", "loop", "eager"]
+    assert tuning.default_order(applicable, graph_ops=5000, inlined=True)[0] == "vectorized"
+    assert tuning.default_order(applicable, "tiled", graph_ops=5000, inlined=True)[0] == "tiled"   # a similar choice
+    ref = tuning.REFERENCE_GRAPH_OPS
+    assert tuning.compile_factor("vectorized", ref, inlined=True) == tuning.INLINED_FACTOR["vectorized"]
+    assert tuning.compile_factor("vectorized", ref) == tuning.COMPILE_FACTOR["vectorized"]
+    assert tuning.compile_factor("tiled+xla", ref, inlined=True) == tuning.compile_factor("tiled+xla", ref)
+    # tiled's compile estimated from vectorized's: half of it inlined, a quarter through the call op
+    inlined = tuning.estimated_compile_s("tiled", known=None, incumbent="vectorized", incumbent_compile_s=8.4,
+                                         graph_ops=ref, inlined=True)
+    called = tuning.estimated_compile_s("tiled", known=None, incumbent="vectorized", incumbent_compile_s=8.4,
+                                        graph_ops=ref)
+    assert inlined == pytest.approx(8.4 / tuning.INLINED_FACTOR["vectorized"]) and called == pytest.approx(2.0)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.engine import tf_logs, tuning
+from worker.engine import strategies, tf_logs, tuning
 from worker.engine.agreement import rows_agree
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
 from worker.engine.host_peak import HostPeaks
@@ -75,7 +75,7 @@ class ChunkRun:
         self.last_peak = 0
         self.delivered: list[tuple[int, int, str]] = []   # (start, stop, label) of each chunk handed on
         self.wrong_delivered: list[tuple[int, int]] = []  # rows handed on by a strategy later found wrong
-        self._tiled_running, self.in_trial = False, False   # in_trial: a trial's calls under way (both sides timed)
+        self._checking, self.in_trial = "", False   # the label verify checks; in_trial: a trial's calls (both timed)
         self.peak, self.timeline = 0, Timeline()
         self.status: dict[str, Any] = {
             "chunk_rows": None, "strategy": plan.strategy, "mode": problem.mode,
@@ -173,17 +173,13 @@ class ChunkRun:
         return ChunkKey.of_problem(self.problem, name, xla)
 
     def eager_row(self, row: int) -> np.ndarray | None:
-        """The reference for ``row``: one eager VJP/JVP, or, in reverse mode once ``tiled`` has run, the
-        ``tiled`` function at one row, which is exactly one backward pass of the model on its own
-        inputs (no tiling, no pfor) and costs no eager backward function (2 s on a large graph)."""
+        """The reference for ``row``, computed by ``strategies.reference_label``'s strategy at one row."""
         if row not in self.eager_rows:
-            label = "eager"
-            if self.problem.mode == "reverse" and self.plan.record("tiled").status == "ok" or self._tiled_running:
-                label = "tiled"
+            label = strategies.reference_label(self.problem, tiled_ok=self.plan.record("tiled").status == "ok",
+                                               checking=self._checking)
             t0 = time.perf_counter()
             try:
-                self.eager_rows[row] = np.asarray(chunk_function(self.problem, label, trace_dir=self.trace_dir)(
-                    row, 1))[0]
+                self.eager_rows[row] = strategies.reference_row(self.problem, label, row, self.trace_dir)
             except EngineError:
                 raise
             except Exception as err:  # noqa: BLE001 - no reference: rows cannot be checked
@@ -204,7 +200,7 @@ class ChunkRun:
         if label == "eager" or k in record.verified_rows or (label == "tiled" and k == 1):
             record.verified = True
             return True
-        self._tiled_running = label == "tiled" and self.problem.mode == "reverse"
+        self._checking = label
         for i in sorted({0, len(rows) - 1}):
             want = self.eager_row(start + i)
             if want is None:

@@ -175,11 +175,13 @@ def _convert(model: LoadedModel, variables: dict[str, Any], input_specs: dict[st
 
 
 @contextmanager
-def one_grappler_pass() -> Iterator[None]:
+def one_grappler_pass(*, off: bool = False) -> Iterator[None]:
     """Functions first run inside (in this thread) are optimized by one pass of TensorFlow's graph optimizer, not
     the default two: the float64 copy and its backward pass run for a few probes, where the second pass costs more
     than it saves (MobileNetV3Small's copy and three float64 VJPs: 5.3-6.5 s against 6.9-7.5 s, peak RSS the same;
-    no optimizer at all saves more but adds ~90 MiB to the peak). Thread-local: other threads keep their options."""
+    no optimizer at all saves more but adds ~90 MiB to the peak). ``off``: no pass at all (the reference rows'
+    ``loop`` function, run for a few rows: its first row 2.7 s against 3.6 s on MobileNetV3Small). Thread-local:
+    other threads keep their options."""
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
     from tensorflow.python.eager import context
 
@@ -188,6 +190,7 @@ def one_grappler_pass() -> Iterator[None]:
     config = config_pb2.ConfigProto()
     config.ParseFromString(before.config_proto_serialized)
     config.graph_options.rewrite_options.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    config.graph_options.rewrite_options.disable_meta_optimizer = off
     ctx.function_call_options = context.FunctionCallOptions(executor_type=before.executor_type, config_proto=config)
     try:
         yield

@@ -39,6 +39,7 @@ class CompiledChunks:
         self.regret_s: dict[str, float] = {}   # per plan: time lost in this process by not compiling its best
         self.choices: dict[Any, dict[str, str]] = {}   # per matrix-free request: the route each product kind chose
         self.float64: Any = None   # the model's float64 copy, or why it has none (``worker.engine.float64``)
+        self.inline: Any = None    # the signature's body to import into traces, or why not (``worker.engine.inline``)
         self._lock = threading.Lock()
 
     def sizes(self, key: Any) -> set[int]:

@@ -22,12 +22,13 @@ callers pad ``k`` to a power of two and slice on the device. Rows past ``rows_to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine import pfor_patches, trace_cache
+from worker.engine import inline, pfor_patches, trace_cache
 from worker.engine.plan import parse_label
 from worker.engine.problem import Problem, unconnected
 
@@ -53,6 +54,38 @@ def is_applicable(problem: Problem, strategy: str) -> bool:
     if name == "per_example":
         return problem.spec.batch_axis and _batched(problem)
     return True
+
+
+def inlined(problem: Problem) -> bool:
+    """Whether ``problem``'s chunks import the model's body into their trace (``_reverse``; ``worker.engine.inline``):
+    first-order reverse mode w.r.t. an input of a signature that can be imported."""
+    return (problem.mode == "reverse" and not problem.spec.scalar_of and problem.wrt_variable is None
+            and inline.inlined(problem.model) is not None)
+
+
+def reference_label(problem: Problem, *, tiled_ok: bool, checking: str) -> str:
+    """The strategy whose one-row calls are the reference rows that check ``checking``'s chunks. In reverse mode
+    ``tiled`` once it has run (or is the one checked): exactly one backward pass of the model on its own inputs,
+    no tiling, no pfor; else, where the body is inlined, ``loop``: one plain ``tf.gradients`` compiled (3.7 s to
+    its first row on MobileNetV3Small, then 0.05 s a row) where an eager VJP builds the call op's backward function
+    (6.1 s, then 0.07-0.3 s); else (and to check ``loop`` itself) one eager VJP/JVP."""
+    if problem.mode == "reverse" and (tiled_ok or checking == "tiled"):
+        return "tiled"
+    if inlined(problem) and parse_label(checking)[0] != "loop":
+        return "loop"
+    return "eager"
+
+
+def reference_row(problem: Problem, label: str, row: int, trace_dir: str | None) -> Any:
+    """Row ``row`` by ``label`` (``reference_label``) as a NumPy array; a ``loop`` function made for these few rows
+    runs without TensorFlow's graph optimizer (``float64.one_grappler_pass(off=True)``)."""
+    import numpy as np
+
+    from worker.engine.float64 import one_grappler_pass
+
+    fn = chunk_function(problem, label, trace_dir=trace_dir)
+    with one_grappler_pass(off=True) if label == "loop" else contextlib.nullcontext():
+        return np.asarray(fn(row, 1))[0]
 
 
 def second_order_loops(problem: Problem) -> bool:
@@ -174,6 +207,20 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
             return acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return tf.shape(target), jvp
 
+    y, vjp = _reverse(tf, problem, inputs, target)
+    return tf.shape(y), vjp
+
+
+def _reverse(tf: Any, problem: Problem, inputs: dict[str, Any], target: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """``(y, vjp(v))``: ``of`` on ``inputs`` and its products with cotangents ``v`` of ``y``'s shape. In a graph
+    being traced, w.r.t. an input, the model's body is imported op by op and differentiated by ``tf.gradients``
+    (``worker.engine.inline``: a third of ``vectorized``'s trace); elsewhere through the signature's call op."""
+    body = None if tf.executing_eagerly() or not inlined(problem) else inline.inlined(problem.model)
+    if body is not None:
+        y = body(inputs)[problem.of]
+        unconnected = tf.UnconnectedGradients.ZERO if body.feeds_input(problem.wrt) else tf.UnconnectedGradients.NONE
+        return y, lambda v: _dense(tf, tf.gradients(y, target, grad_ys=v, unconnected_gradients=unconnected)[0],
+                                   problem)
     # Non-persistent: through a loaded model's while_loop that reads a variable, TensorFlow fails with
     # 'variable without handle data' on a persistent tape, in graph and eager mode alike, and a
     # persistent tape makes it build a second backward function (3 s on MobileNetV3Small). pfor
@@ -181,8 +228,8 @@ def _row_fn(tf: Any, problem: Problem, inputs: dict[str, Any]) -> tuple[Any, Cal
     tape = tf.GradientTape()
     with tape:
         tape.watch(target)
-        y = fn(**inputs)[of]
-    return tf.shape(y), lambda v: _dense(tf, tape.gradient(y, target, output_gradients=v), problem)
+        y = problem.model.fn(**inputs)[problem.of]
+    return y, lambda v: _dense(tf, tape.gradient(y, target, output_gradients=v), problem)
 
 
 def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any) -> Any:
@@ -197,11 +244,9 @@ def _tiled(tf: Any, problem: Problem, inputs: dict[str, Any], start: Any, k: Any
             y = problem.model.fn(**tiled)[problem.of]
         out = acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return tf.reshape(out, tf.concat([[k32], batch, tf.shape(y)[1:]], 0))
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = problem.model.fn(**tiled)[problem.of]
+    y, vjp = _reverse(tf, problem, tiled, x)
     seeds = _seeds(tf, problem, tf.concat([batch, tf.shape(y)[1:]], 0), start, k)
-    out = _dense(tf, tape.gradient(y, x, output_gradients=tf.reshape(seeds, tf.shape(y))), problem)
+    out = vjp(tf.reshape(seeds, tf.shape(y)))
     return tf.reshape(out, tf.concat([[k32], batch, tf.shape(x)[1:]], 0))
 
 

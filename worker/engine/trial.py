@@ -18,7 +18,7 @@ from worker.engine.memory import is_out_of_memory
 from worker.engine.plan import Plan, StrategyRecord, parse_label
 from worker.engine.planner import fit_bound
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import is_compiled, second_order_loops, trace_kept
+from worker.engine.strategies import inlined, is_compiled, second_order_loops, trace_kept
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def seen_strategy(problem: Problem, plan: Plan, applicable: list[str]) -> str:
         return max(known, key=lambda label: float(plan.strategies[label].best_rate() or 0.0))
     usable = [label for label in applicable if not is_unseen(plan, label)
               and (label not in plan.strategies or plan.strategies[label].usable)]
-    order = tuning.default_order(usable, graph_ops=problem.model.graph_ops,
+    order = tuning.default_order(usable, graph_ops=problem.model.graph_ops, inlined=inlined(problem),
                                  second_order_loops=second_order_loops(problem))
     return order[0] if order else plan.strategy   # none left (the default order names no eager): stay
 
@@ -189,7 +189,8 @@ def estimated_compile(run: ChunkRun, candidate: str) -> float:
     plan = run.plan
     return tuning.estimated_compile_s(candidate, known=plan.record(candidate).compile_s, incumbent=plan.strategy,
                                       incumbent_compile_s=plan.record(plan.strategy).compile_s or 1.0,
-                                      graph_ops=run.problem.model.graph_ops, learned=learned_factors(plan))
+                                      graph_ops=run.problem.model.graph_ops, learned=learned_factors(plan),
+                                      inlined=inlined(run.problem))
 
 
 def _pays(run: ChunkRun, candidate: str, *, rows_left: int, seconds_per_row: float) -> bool:
@@ -214,7 +215,7 @@ def learn_compile(run: ChunkRun, candidate: str, estimate: float | None, trial: 
     if record.compile_s <= estimate or estimate <= 0:
         return
     factor = tuning.learned_factor(candidate, graph_ops=run.problem.model.graph_ops,
-                                   learned=learned_factors(run.plan))
+                                   learned=learned_factors(run.plan), inlined=inlined(run.problem))
     record.compile_factor = round(factor * record.compile_s / estimate, 3)
     log.info("trial %s: its compile took %.1f s against %.1f s estimated; its compile factor is now %.3g", candidate,
              record.compile_s, estimate, record.compile_factor)

@@ -82,6 +82,16 @@ UNKNOWN_FACTOR = 4.0
 # pfor's trace is now about 4x a plain gradient's at any size: ``vectorized`` takes 4.2 and no growth (with
 # the old growth its estimate on EfficientNetB0, 78 s, kept every job from a trial of a strategy 1.8x faster
 # per row there, 12 s to trace). ``per_example`` (pfor in pfor) was not re-measured and keeps the old growth.
+# Where the model's body is imported into the trace (``worker.engine.inline``: reverse-mode chunks of a signature
+# without loops), pfor converts the body's own ops, not a backward function of the call op: trace and first call
+# at 16 rows (``python -m bench.bench_inline_trace``), MobileNetV3Small:
+#   machine                        tiled s (call -> inlined)   vectorized s (call -> inlined)   inlined ratio
+#   2-core AMD EPYC, AVX2          5.6 -> 3.1                  18.7 -> 6.7                      2.1
+#   2-core Intel Xeon, AVX-512     6.4 -> 5.9                  23.3 -> 7.7                      1.3
+# ``vectorized`` then takes INLINED_FACTOR, and goes first at any graph size (``default_order``): its steady rows/s
+# were 1.5x (AVX2) and 1.7x (AVX-512) ``tiled``'s on MobileNetV3Small, and warm processes had kept it after
+# trials on MobileNetV3Small and EfficientNetB0 even at its old trace cost.
+INLINED_FACTOR = {"vectorized": 2.1}
 REFERENCE_GRAPH_OPS = 1083   # MobileNetV3Small's signature, where COMPILE_FACTOR was measured
 PFOR_EXPONENTS, XLA_EXPONENTS = (0.1, 1.05), (0.0, 3.2)   # (below, above) the reference graph
 GRAPH_EXPONENT = {"vectorized": (0.0, 0.0), "per_example": PFOR_EXPONENTS, "tiled+xla": XLA_EXPONENTS,
@@ -163,11 +173,13 @@ def host_growth_verdict(pairs: list[tuple[float, float]], *, gain: float, pairs_
 
 
 def default_order(applicable: Iterable[str], similar: str | None = None, *, graph_ops: int = 0,
-                  second_order_loops: bool = False) -> list[str]:
-    """Strategies to start with, in order: a similar request's choice, then by graph size (``loop`` first for
-    ``second_order_loops``: a Hessian through ``While`` loops), then the fallbacks."""
+                  second_order_loops: bool = False, inlined: bool = False) -> list[str]:
+    """Strategies to start with, in order: a similar request's choice, then by graph size unless the model's body
+    is ``inlined`` (``vectorized`` first: INLINED_FACTOR) (``loop`` first for ``second_order_loops``: a Hessian
+    through ``While`` loops), then the fallbacks."""
     applicable = list(applicable)
-    first = ["vectorized", "tiled"] if graph_ops <= SMALL_GRAPH_OPS else ["tiled", "vectorized"]
+    small = graph_ops <= SMALL_GRAPH_OPS or inlined
+    first = ["vectorized", "tiled"] if small else ["tiled", "vectorized"]
     first = ["loop", *first] if second_order_loops else first
     order = [s for s in ([similar] if similar else []) + first + list(FALLBACKS) if s in applicable]
     return list(dict.fromkeys(order))
@@ -189,9 +201,12 @@ def alternatives(applicable: Iterable[str], tried: Iterable[str], *, xla: bool) 
     return [s for s in order if s in set(applicable) and s not in skip]
 
 
-def compile_factor(label: str, graph_ops: int = 0, *, unknown: float = UNKNOWN_FACTOR) -> float:
+def compile_factor(label: str, graph_ops: int = 0, *, unknown: float = UNKNOWN_FACTOR, inlined: bool = False) -> float:
     """``label``'s compile as a multiple of ``tiled``'s on a graph of ``graph_ops`` ops (0: unknown, the
-    reference graph's factor); ``unknown``: the factor of a label without one (``loop``, ``eager``)."""
+    reference graph's factor); ``unknown``: the factor of a label without one (``loop``, ``eager``); ``inlined``:
+    the model's body imported into the trace (INLINED_FACTOR)."""
+    if inlined and label in INLINED_FACTOR:
+        return INLINED_FACTOR[label]
     base = COMPILE_FACTOR.get(label, unknown)
     if graph_ops <= 0:
         return base
@@ -208,7 +223,7 @@ def _transforms(label: str) -> set[str]:
 
 
 def learned_factor(label: str, *, graph_ops: int = 0, learned: Mapping[str, float] | None = None,
-                   unknown: float = UNKNOWN_FACTOR) -> float:
+                   unknown: float = UNKNOWN_FACTOR, inlined: bool = False) -> float:
     """``label``'s factor for this request: the one a plan measured for it (``learned``: label -> measured
     factor, recorded where a trial's compile exceeded its estimate), else ``compile_factor`` scaled by the
     largest excess a plan measured for a strategy sharing one of its transforms (an XLA compile that took 3x
@@ -216,20 +231,22 @@ def learned_factor(label: str, *, graph_ops: int = 0, learned: Mapping[str, floa
     learned = learned or {}
     if learned.get(label):
         return float(learned[label])
-    factor = compile_factor(label, graph_ops, unknown=unknown)
-    excess = [float(f) / compile_factor(other, graph_ops) for other, f in learned.items()
+    factor = compile_factor(label, graph_ops, unknown=unknown, inlined=inlined)
+    excess = [float(f) / compile_factor(other, graph_ops, inlined=inlined) for other, f in learned.items()
               if f and _transforms(other) & _transforms(label)]
     return factor * max([1.0, *excess])
 
 
 def estimated_compile_s(candidate: str, *, known: float | None, incumbent: str, incumbent_compile_s: float,
-                        graph_ops: int = 0, learned: Mapping[str, float] | None = None) -> float:
+                        graph_ops: int = 0, learned: Mapping[str, float] | None = None, inlined: bool = False) -> float:
     """Seconds to compile ``candidate``: measured before if known, else scaled from the incumbent's by
-    ``learned_factor`` (the graph's size, and what the plan measured)."""
+    ``learned_factor`` (the graph's size, whether the body is inlined, and what the plan measured)."""
     if known is not None:
         return known
-    base = learned_factor(incumbent, graph_ops=graph_ops, learned=learned, unknown=1.0)   # loop, eager: as tiled
-    return incumbent_compile_s * learned_factor(candidate, graph_ops=graph_ops, learned=learned) / base
+    base = learned_factor(incumbent, graph_ops=graph_ops, learned=learned, unknown=1.0,   # loop, eager: as tiled
+                          inlined=inlined)
+    return incumbent_compile_s * learned_factor(candidate, graph_ops=graph_ops, learned=learned,
+                                                inlined=inlined) / base
 
 
 def trial_pays(*, cost_s: float, remaining_s: float, past_work_s: float, gain: float = EXPECTED_GAIN) -> bool:

@@ -1,0 +1,156 @@
+"""The model's function imported into the graph being traced, op by op, for reverse-mode chunk functions.
+
+A loaded signature's function is one ``StatefulPartitionedCall`` op in a traced graph. Its gradient makes
+TensorFlow build a forward function that outputs its intermediates and a backward function, and pfor
+(``vectorized``) converts that backward function's ops again: on MobileNetV3Small (2-core AVX2 VM, 16 rows)
+``vectorized``'s trace and first call took 15.2 + 3.5 s through the call op and 4.3 + 2.4 s with the called
+function's ``FunctionDef`` imported into the traced graph (its resource arguments fed the captured variables) and
+differentiated op by op with ``tf.gradients``; ``tiled`` 3.6 + 2.0 s against 1.6 + 1.5 s; the same rows and steady
+speed (``python -m bench.bench_inline_trace``).
+
+A gradient tape does not see ops that ``import_graph_def`` creates, and neither does a forward accumulator: only
+first-order reverse-mode chunks (``tf.gradients``) use ``inlined``, and only in a graph being traced. A signature
+this cannot express exactly returns None and keeps the call op: several call ops, a call fed by anything but the
+signature's inputs and captured variables, outputs that are not the call's, or a body that calls functions
+(``While``, ``If``, nested calls: their gradients need the Python graphs TensorFlow built them from) or overrides an
+op's gradient (``_gradient_op_type``). ``JACOBIAN_INLINE=0`` keeps the call op everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
+PASS_THROUGH = ("Identity", "IdentityN")   # between the call's outputs and the signature's
+_NOT_INLINED = "not inlined"
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Body:
+    """The signature's called function as a ``GraphDef``; calling it imports it into the graph being traced."""
+
+    graph_def: Any                  # the called function's body
+    feeds: tuple[tuple[str, str, str], ...]   # (body placeholder, "input" or "capture", input name / capture op)
+    outputs: dict[str, str]         # signature output name -> the body's tensor name
+    captured: dict[str, Any]        # the signature graph's capture placeholder -> the captured (external) handle
+
+    def feeds_input(self, name: str) -> bool:
+        """Whether the signature passes input ``name`` to its call: through the call op, its gradient is then
+        zeros where ``of`` does not read it, and ``None`` (refused as unconnected) where it is not passed."""
+        return any(kind == "input" and source == name for _, kind, source in self.feeds)
+
+    def __call__(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        import tensorflow as tf
+
+        graph = tf.compat.v1.get_default_graph()
+        feeds = {f"{placeholder}:0": (tf.convert_to_tensor(inputs[source]) if kind == "input"
+                                      else graph.capture(self.captured[source]))
+                 for placeholder, kind, source in self.feeds}
+        names = sorted(self.outputs)
+        got = tf.graph_util.import_graph_def(self.graph_def, input_map=feeds,
+                                             return_elements=[self.outputs[n] for n in names], name="model")
+        return dict(zip(names, got))
+
+
+def enabled() -> bool:
+    return os.environ.get("JACOBIAN_INLINE", "1") != "0"
+
+
+def inlined(model: Any) -> Body | None:
+    """``model``'s signature as a ``Body`` to import into the graph being traced, or None where it cannot be
+    (module doc). Prepared once per loaded model (``model.compiled.inline``)."""
+    if not enabled():
+        return None
+    with _lock:
+        if model.compiled.inline is None:
+            try:
+                model.compiled.inline = _body(model.fn) or _NOT_INLINED
+            except Exception:  # noqa: BLE001 - any graph this cannot read keeps the call op
+                model.compiled.inline = _NOT_INLINED
+    body = model.compiled.inline
+    return None if body == _NOT_INLINED else body
+
+
+def _calls_functions(node: Any, library: set[str]) -> bool:
+    if node.op in library or node.op in CALL_OPS or "_gradient_op_type" in node.attr:
+        return True
+    return any(value.HasField("func") or (value.HasField("list") and len(value.list.func))
+               for value in node.attr.values())
+
+
+def _body(fn: Any) -> Body | None:
+    """``fn``'s single call op's body and how to feed it, or None (module doc)."""
+    import tensorflow as tf
+    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph_def
+
+    graph = getattr(fn, "graph", None)
+    if graph is None or not hasattr(fn, "structured_input_signature"):
+        return None
+    graph_def = graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    calls = [n for n in graph_def.node if n.op in CALL_OPS]
+    others = [n for n in graph_def.node if n.op not in CALL_OPS]
+    if len(calls) != 1 or any(_calls_functions(n, set(library)) for n in others):
+        return None
+    call = calls[0]
+    fdef = library.get(call.attr["f"].func.name)
+    if fdef is None:
+        return None
+    body_def, flat_names = function_def_to_graph_def(fdef)
+    if any(_calls_functions(n, set(library)) for n in body_def.node):
+        return None
+    # Every argument is fed (``input_map``): its placeholder would stay in the graph, unused, and fail XLA's compile.
+    args = {a.name for a in fdef.signature.input_arg}
+    kept = [n for n in body_def.node if n.name not in args]
+    del body_def.node[:]
+    body_def.node.extend(kept)
+
+    # The signature's inputs in flat order are ``fn.inputs``' first placeholders (a dict flattens by sorted key).
+    specs = tf.nest.flatten(fn.structured_input_signature)
+    input_of = {t.op.name: s.name for t, s in zip(fn.inputs, specs)}
+    if len(input_of) != len(specs) or None in input_of.values():
+        return None
+    captured = {internal.op.name: external for external, internal in graph.captures}
+    data_inputs = [i for i in call.input if not i.startswith("^")]
+    if len(data_inputs) != len(fdef.signature.input_arg):
+        return None
+    feeds = []
+    for arg, source in zip(fdef.signature.input_arg, data_inputs):
+        op_name, _, index = source.partition(":")
+        if index not in ("", "0"):
+            return None
+        if op_name in input_of:
+            feeds.append((arg.name, "input", input_of[op_name]))
+        elif op_name in captured:
+            feeds.append((arg.name, "capture", op_name))
+        else:
+            return None
+
+    by_name = {n.name: n for n in graph_def.node}
+    outputs = {}
+    for name, tensor in zip(sorted(fn.structured_outputs), fn.outputs):
+        source = _through_identities(tensor.name, by_name)
+        op_name, _, index = source.partition(":")
+        if op_name != call.name:
+            return None
+        ret = fdef.ret[fdef.signature.output_arg[int(index or 0)].name]
+        flat = flat_names.get(ret, ret)
+        outputs[name] = flat if ":" in flat else f"{flat}:0"
+    if tf.nest.flatten(fn.structured_outputs, expand_composites=True) and len(outputs) != len(fn.outputs):
+        return None
+    return Body(body_def, tuple(feeds), outputs, captured)
+
+
+def _through_identities(tensor: str, by_name: dict[str, Any]) -> str:
+    """The tensor that ``tensor`` copies through ``Identity`` ops (``op:index``)."""
+    op_name, _, index = tensor.partition(":")
+    node = by_name.get(op_name)
+    while node is not None and node.op in PASS_THROUGH:
+        source = [i for i in node.input if not i.startswith("^")][int(index or 0) if node.op == "IdentityN" else 0]
+        op_name, _, index = source.partition(":")
+        node = by_name.get(op_name)
+    return f"{op_name}:{index or 0}"
