@@ -130,6 +130,8 @@ def _body(fn: Any) -> Body | None:
         else:
             return None
 
+    if not isinstance(fn.structured_outputs, dict) or len(fn.outputs) != len(fn.structured_outputs):
+        return None   # composite outputs (ragged, sparse) flatten to several tensors: not read by name here
     by_name = {n.name: n for n in graph_def.node}
     outputs = {}
     for name, tensor in zip(sorted(fn.structured_outputs), fn.outputs):
@@ -139,9 +141,9 @@ def _body(fn: Any) -> Body | None:
             return None
         ret = fdef.ret[fdef.signature.output_arg[int(index or 0)].name]
         flat = flat_names.get(ret, ret)
+        if flat.partition(":")[0] in args:
+            return None   # an output that is an argument: its placeholder is gone (above)
         outputs[name] = flat if ":" in flat else f"{flat}:0"
-    if tf.nest.flatten(fn.structured_outputs, expand_composites=True) and len(outputs) != len(fn.outputs):
-        return None
     return Body(body_def, tuple(feeds), outputs, captured)
 
 
