@@ -1,7 +1,7 @@
 """A strategy's first call through the SavedModel's call op against the same model's graph imported inline.
 
-The engine differentiates ``model.fn(...)``: a call of the signature's function, one ``StatefulPartitionedCall`` op
-in the traced graph. Its gradient makes TensorFlow build a forward function that outputs its intermediates and a
+Through the call op, a chunk function differentiates ``model.fn(...)``: one ``StatefulPartitionedCall`` op in the
+traced graph. Its gradient makes TensorFlow build a forward function that outputs its intermediates and a
 backward function, and pfor (``vectorized``) converts that backward function's ops again. Imported inline (the
 called function's ``FunctionDef`` as a ``GraphDef``, its resource arguments fed the captured variables), the
 forward ops sit in the traced graph itself and ``tf.gradients`` differentiates them op by op.
@@ -9,8 +9,9 @@ forward ops sit in the traced graph itself and ``tf.gradients`` differentiates t
 For each variant (``call`` or ``inline``) and strategy (``tiled``: the inputs tiled ``rows`` times and one
 gradient; ``vectorized``: one forward pass, pfor over the seeds' gradients) a fresh process loads the model and
 times the trace (``get_concrete_function``), the first call and the median of five steady calls of ``rows`` rows;
-the rows of the two variants must agree. An experiment for the engine (not its code path): a gradient tape does
-not see ops that ``import_graph_def`` creates, so the engine's strategies would need ``tf.gradients``.
+the rows of the two variants must agree. ``inline`` imports the body as the engine does (``worker.engine.inline``,
+with ``tf.gradients``); a model the engine keeps as a call (EfficientNetB0: Keras 3's swish overrides its gradient)
+is reported as not inlined.
 
 Run: .venv/bin/python -m bench.bench_inline_trace [--model mobilenet_softmax] [--rows 16] [--out DIR]
 """
@@ -34,33 +35,6 @@ VARIANTS = ("call", "inline")
 STRATEGIES = ("tiled", "vectorized")
 
 
-def _inline(tf: Any, fn: Any) -> Any:
-    """``x -> outputs`` of ``fn`` (a loaded signature function of one input) with its called function imported
-    into the graph being traced."""
-    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph_def
-
-    graph_def = fn.graph.as_graph_def()
-    calls = [n for n in graph_def.node if n.op == "StatefulPartitionedCall"]
-    if len(calls) != 1:
-        raise SystemExit(f"the signature's graph has {len(calls)} call ops, not one: not inlined here")
-    call = calls[0]
-    fdef = next(f for f in graph_def.library.function if f.signature.name == call.attr["f"].func.name)
-    body, _ = function_def_to_graph_def(fdef)
-    captured = {internal.op.name: external for external, internal in fn.graph.captures}
-    args = [a.name for a in fdef.signature.input_arg]
-    ret = fdef.ret[fdef.signature.output_arg[0].name].split(":")
-
-    def inline(x: Any) -> Any:
-        graph = tf.compat.v1.get_default_graph()
-        feeds = {}
-        for arg, source in zip(args, call.input):
-            source = source.split(":")[0].lstrip("^")
-            feeds[f"{arg}:0"] = graph.capture(captured[source]) if source in captured else x
-        return tf.graph_util.import_graph_def(body, input_map=feeds, return_elements=[f"{ret[0]}:{ret[-1]}"],
-                                              name="inlined")[0]
-    return inline
-
-
 def measure(path: str, inputs: str, variant: str, strategy: str, rows: int) -> dict[str, Any]:
     """In this process: trace, first call and steady seconds of ``strategy`` by ``variant``; the rows saved."""
     import tensorflow as tf
@@ -73,7 +47,15 @@ def measure(path: str, inputs: str, variant: str, strategy: str, rows: int) -> d
     (name,) = model.input_specs
     (of,) = model.output_specs
     x0 = tf.constant(np.load(inputs)[name])
-    forward = _inline(tf, fn) if variant == "inline" else (lambda x: fn(**{name: x})[of])
+    if variant == "inline":
+        from worker.engine import inline
+
+        imported = inline.inlined(model)
+        if imported is None:   # a signature that cannot be imported exactly: the engine keeps its call op
+            raise SystemExit("NOT_INLINED: the engine keeps this model's call op (worker/engine/inline.py)")
+        forward = lambda x: imported({name: x})[of]   # noqa: E731
+    else:
+        forward = lambda x: fn(**{name: x})[of]   # noqa: E731
     width = int(np.prod(model.output_specs[of].shape[1:]))
 
     def gradient(y: Any, x: Any, seeds: Any, tape: Any) -> Any:
@@ -134,6 +116,11 @@ def main() -> None:
             proc = subprocess.run([sys.executable, "-m", "bench.bench_inline_trace", "--rows", str(args.rows),
                                    "--one", str(path), str(work / "inputs.npz"), variant, strategy],
                                   capture_output=True, text=True)
+            if "NOT_INLINED" in proc.stderr:
+                print(f"{args.model}: not inlined: the engine keeps the call op (a body that calls functions or "
+                      f"overrides a gradient); nothing to compare", flush=True)
+                emit("inline_trace", [{"model": args.model, "inlined": False}], args.out)
+                return
             if proc.returncode != 0:
                 raise SystemExit(f"{variant} {strategy} failed:\n{proc.stderr[-3000:]}")
             row = {"model": args.model, **json.loads(proc.stdout.strip().splitlines()[-1])}
