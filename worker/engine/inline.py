@@ -92,16 +92,17 @@ def _body(fn: Any) -> Body | None:
         return None
     graph_def = graph.as_graph_def()
     library = {f.signature.name: f for f in graph_def.library.function}
+    names = set(library)
     calls = [n for n in graph_def.node if n.op in CALL_OPS]
     others = [n for n in graph_def.node if n.op not in CALL_OPS]
-    if len(calls) != 1 or any(_calls_functions(n, set(library)) for n in others):
+    if len(calls) != 1 or any(_calls_functions(n, names) for n in others):
         return None
     call = calls[0]
     fdef = library.get(call.attr["f"].func.name)
     if fdef is None:
         return None
     body_def, flat_names = function_def_to_graph_def(fdef)
-    if any(_calls_functions(n, set(library)) for n in body_def.node):
+    if any(_calls_functions(n, names) for n in body_def.node):
         return None
     # Every argument is fed (``input_map``): its placeholder would stay in the graph, unused, and fail XLA's compile.
     args = {a.name for a in fdef.signature.input_arg}

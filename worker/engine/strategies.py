@@ -59,8 +59,13 @@ def is_applicable(problem: Problem, strategy: str) -> bool:
 def inlined(problem: Problem) -> bool:
     """Whether ``problem``'s chunks import the model's body into their trace (``_reverse``; ``worker.engine.inline``):
     first-order reverse mode w.r.t. an input of a signature that can be imported."""
-    return (problem.mode == "reverse" and not problem.spec.scalar_of and problem.wrt_variable is None
-            and inline.inlined(problem.model) is not None)
+    return _inlined_body(problem) is not None
+
+
+def _inlined_body(problem: Problem) -> inline.Body | None:
+    if problem.mode != "reverse" or problem.spec.scalar_of or problem.wrt_variable is not None:
+        return None
+    return inline.inlined(problem.model)
 
 
 def reference_label(problem: Problem, *, tiled_ok: bool, checking: str) -> str:
@@ -215,7 +220,7 @@ def _reverse(tf: Any, problem: Problem, inputs: dict[str, Any], target: Any) -> 
     """``(y, vjp(v))``: ``of`` on ``inputs`` and its products with cotangents ``v`` of ``y``'s shape. In a graph
     being traced, w.r.t. an input, the model's body is imported op by op and differentiated by ``tf.gradients``
     (``worker.engine.inline``: a third of ``vectorized``'s trace); elsewhere through the signature's call op."""
-    body = None if tf.executing_eagerly() or not inlined(problem) else inline.inlined(problem.model)
+    body = None if tf.executing_eagerly() else _inlined_body(problem)
     if body is not None:
         y = body(inputs)[problem.of]
         unconnected = tf.UnconnectedGradients.ZERO if body.feeds_input(problem.wrt) else tf.UnconnectedGradients.NONE
