@@ -10,8 +10,8 @@ For each variant (``call`` or ``inline``) and strategy (``tiled``: the inputs ti
 gradient; ``vectorized``: one forward pass, pfor over the seeds' gradients) a fresh process loads the model and
 times the trace (``get_concrete_function``), the first call and the median of five steady calls of ``rows`` rows;
 the rows of the two variants must agree. ``inline`` imports the body as the engine does (``worker.engine.inline``,
-with ``tf.gradients``); a model the engine keeps as a call (EfficientNetB0: Keras 3's swish overrides its gradient)
-is reported as not inlined.
+with ``tf.gradients``; EfficientNetB0's swish overrides get the engine's silu gradient); a model the engine keeps as a
+call (a loop in its body, another gradient override) is reported as not inlined.
 
 Run: .venv/bin/python -m bench.bench_inline_trace [--model mobilenet_softmax] [--rows 16] [--out DIR]
 """

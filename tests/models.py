@@ -108,6 +108,41 @@ def control_flow(path: Path) -> Path:
     return path
 
 
+def swish_cnn(path: Path) -> Path:
+    """Conv2D and Dense with Keras' ``swish`` (``tf.nn.silu``, a gradient override that restates its gradient):
+    ``image`` (None, 6, 6, 2) -> ``logits`` (None, 4)."""
+    keras = _keras()
+    inp = keras.Input((6, 6, 2), name="image")
+    h = keras.layers.Conv2D(3, 3, activation="swish", name="conv")(inp)
+    h = keras.layers.Flatten(name="flat")(h)
+    out = keras.layers.Dense(4, activation="swish", name="dense")(h)
+    keras.Model(inp, {"logits": out}).export(str(path), verbose=False)
+    return path
+
+
+def straight_through(path: Path) -> Path:
+    """``x * sigmoid(x)``, silu's forward ops, under a ``tf.custom_gradient`` that passes the gradient straight
+    through (``dy``), not silu's: ``x`` (None, 4) -> ``y`` (None, 3). Its Jacobian is the weights'."""
+    import tensorflow as tf
+
+    class StraightThrough(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(np.random.default_rng(0).normal(size=(4, 3)).astype("float32"), name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
+        def __call__(self, x):
+            @tf.custom_gradient
+            def act(h, beta):
+                return h * tf.sigmoid(beta * h), lambda dy: (dy, tf.reduce_sum(dy) * 0.0)
+
+            return {"y": act(x @ self.w, tf.constant(1.0))}
+
+    m = StraightThrough()
+    tf.saved_model.save(m, str(path), signatures={"serving_default": m.__call__})
+    return path
+
+
 def float64_model(path: Path) -> Path:
     """float64 ``x`` (None, 5) -> ``y`` (None, 4) and scalar ``loss`` (); for finite differences."""
     import tensorflow as tf

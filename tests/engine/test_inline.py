@@ -17,7 +17,8 @@ from worker.engine.strategies import ChunkKey
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("inline")
     return {"cnn": models.cnn(root / "cnn"), "multi_io": models.multi_io(root / "multi_io"),
-            "control_flow": models.control_flow(root / "control_flow")}
+            "control_flow": models.control_flow(root / "control_flow"), "swish": models.swish_cnn(root / "swish"),
+            "straight_through": models.straight_through(root / "straight_through")}
 
 
 def _rows(model, inputs, of, wrt, strategy):
@@ -61,6 +62,33 @@ def test_a_body_with_a_loop_keeps_the_call_op_and_its_rows(paths):
     rows, calls = _rows(model, inputs, "y", "x", "loop")
     assert calls
     np.testing.assert_allclose(rows, tape_jacobian(model, inputs, "y", "x").reshape(rows.shape), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["tiled", "vectorized"])
+def test_silu_whose_override_restates_its_gradient_is_imported_without_it_and_its_rows_agree(paths, strategy):
+    """Keras' ``swish`` (EfficientNet's activation) is ``tf.nn.silu``: a gradient override that recomputes the
+    sigmoid to save memory. The override is dropped and ``tf.gradients`` differentiates its ops: the same rows."""
+    model = load_model(str(paths["swish"]))
+    assert inline.inlined(model) is not None
+    inputs = {"image": rand((2, 6, 6, 2))}
+    rows, calls = _rows(model, inputs, "logits", "image", strategy)
+    assert not calls
+    want = tape_jacobian(load_model(str(paths["swish"])), inputs, "logits", "image").reshape(rows.shape)
+    np.testing.assert_allclose(rows, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_override_with_silus_forward_ops_but_another_gradient_keeps_the_call_op_and_its_gradient(paths):
+    """A straight-through ``tf.custom_gradient`` over ``x * sigmoid(x)``: the forward ops match silu's, its
+    gradient function does not. Dropping that override would differentiate the sigmoid and give other rows."""
+    model = load_model(str(paths["straight_through"]))
+    assert inline.inlined(model) is None
+    inputs = {"x": rand((3, 4))}
+    rows, calls = _rows(model, inputs, "y", "x", "vectorized")
+    assert calls
+    want = tape_jacobian(model, inputs, "y", "x").reshape(rows.shape)
+    np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-6)
+    (weights,) = model.variables.values()   # straight through: d y[b, j] / d x[b, i] is w[i, j]
+    np.testing.assert_allclose(rows.reshape(3, 3, 3, 4)[1, :, 1, :], weights.numpy().T, rtol=1e-6)
 
 
 def test_vectorized_rows_are_checked_against_a_compiled_plain_gradient_that_catches_a_wrong_row(paths, monkeypatch):

@@ -13,7 +13,13 @@ first-order reverse-mode chunks (``tf.gradients``) use ``inlined``, and only in 
 this cannot express exactly returns None and keeps the call op: several call ops, a call fed by anything but the
 signature's inputs and captured variables, outputs that are not the call's, or a body that calls functions
 (``While``, ``If``, nested calls: their gradients need the Python graphs TensorFlow built them from) or overrides an
-op's gradient (``_gradient_op_type``). ``JACOBIAN_INLINE=0`` keeps the call op everywhere.
+op's gradient (``_gradient_op_type``), except where the override is ``tf.nn.silu``'s (Keras' ``swish``,
+EfficientNet's activation): forward ops ``x * sigmoid(beta * x)`` and a loaded gradient function with silu's
+gradient ops (``SILU_GRADIENT_OPS``). Loaded gradient functions cannot be called on imported ops (their captures
+are out of scope), so the override is pointed at ``SILU_OP_TYPE``, this module's own silu gradient, built from
+the op's forward inputs: under pfor its ``sigmoid`` terms are computed once and each row costs one product. (Without
+any override, ``tf.gradients`` differentiates the three forward ops and a ``vectorized`` EfficientNetB0 chunk ran
+at 1.5x the seconds.) Any other override keeps the call op. ``JACOBIAN_INLINE=0`` keeps the call op everywhere.
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ from typing import Any
 CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
 PASS_THROUGH = ("Identity", "IdentityN")   # between the call's outputs and the signature's
 _NOT_INLINED = "not inlined"
-_lock = threading.Lock()
+_lock = threading.RLock()
+# The ops (besides ``Const`` and ``Identity``) of ``tf.nn.silu``'s gradient function as a SavedModel keeps it.
+SILU_GRADIENT_OPS = {"Mul": 8, "Sub": 2, "Sigmoid": 1, "AddV2": 1, "Square": 1, "Sum": 1}
+SILU_OP_TYPE = "JacobianServiceSiluGrad"
+_registered: list[bool] = []
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,9 @@ def inlined(model: Any) -> Body | None:
 
 
 def _calls_functions(node: Any, library: set[str]) -> bool:
-    if node.op in library or node.op in CALL_OPS or "_gradient_op_type" in node.attr:
+    if node.op in library or node.op in CALL_OPS:
+        return True
+    if "_gradient_op_type" in node.attr and node.attr["_gradient_op_type"].s != SILU_OP_TYPE.encode():
         return True
     return any(value.HasField("func") or (value.HasField("list") and len(value.list.func))
                for value in node.attr.values())
@@ -102,6 +114,9 @@ def _body(fn: Any) -> Body | None:
     if fdef is None:
         return None
     body_def, flat_names = function_def_to_graph_def(fdef)
+    for node in _restated_overrides(body_def, library):
+        _register_silu_gradient()
+        node.attr["_gradient_op_type"].s = SILU_OP_TYPE.encode()
     if any(_calls_functions(n, names) for n in body_def.node):
         return None
     # Every argument is fed (``input_map``): its placeholder would stay in the graph, unused, and fail XLA's compile.
@@ -146,6 +161,73 @@ def _body(fn: Any) -> Body | None:
             return None   # an output that is an argument: its placeholder is gone (above)
         outputs[name] = flat if ":" in flat else f"{flat}:0"
     return Body(body_def, tuple(feeds), outputs, captured)
+
+
+def _restated_overrides(graph_def: Any, library: dict[str, Any]) -> list[Any]:
+    """The ``IdentityN`` nodes whose gradient override is ``tf.nn.silu``'s: its inputs are ``(y, x, beta)`` with
+    ``y = x * sigmoid(beta * x)`` (``tf.custom_gradient`` passes the result, then the arguments) and its gradient
+    function is silu's (``_silu_gradient``)."""
+    by_name = {n.name: n for n in graph_def.node}
+
+    def op_of(tensor: str) -> Any:
+        name, _, index = tensor.partition(":")
+        return by_name.get(name) if index in ("", "0") else None
+
+    def operands(node: Any, op: str) -> list[Any] | None:
+        data = [i for i in node.input if not i.startswith("^")] if node is not None and node.op == op else []
+        return [op_of(i) for i in data] if len(data) == (1 if op == "Sigmoid" else 2) else None
+
+    found = []
+    for node in graph_def.node:
+        if node.op != "IdentityN" or "_gradient_op_type" not in node.attr or len(node.input) != 3:
+            continue
+        y, x, beta = (op_of(i) for i in node.input)
+        product = operands(y, "Mul")
+        if x is None or beta is None or not product or x not in product:
+            continue
+        (sigmoid,) = [p for p in product if p is not x] or [x]
+        scaled = operands(sigmoid, "Sigmoid")
+        inner = operands(scaled[0], "Mul") if scaled else None
+        if (inner and sorted(map(id, inner)) == sorted(map(id, (x, beta)))
+                and _silu_gradient(node.attr["_gradient_op_type"].s.decode(), library)):
+            found.append(node)
+    return found
+
+
+def _register_silu_gradient() -> None:
+    """Registers ``SILU_OP_TYPE``'s gradient once per process: ``tf.nn.silu``'s, for ``IdentityN(y, x, beta)``."""
+    import tensorflow as tf
+
+    with _lock:
+        if _registered:
+            return
+
+        @tf.RegisterGradient(SILU_OP_TYPE)
+        def _silu_grad(op: Any, dy: Any, dx: Any, dbeta: Any) -> tuple[Any, Any, Any]:
+            x, beta = op.inputs[1], op.inputs[2]
+            s = tf.sigmoid(beta * x)
+            grad_x = dy * (s * (1.0 + beta * x * (1.0 - s)))
+            grad_beta = tf.reduce_sum(dy * tf.square(x) * s * (1.0 - s))
+            return (None, grad_x if dx is None else grad_x + dx, grad_beta if dbeta is None else grad_beta + dbeta)
+
+        _registered.append(True)
+
+
+def _silu_gradient(op_type: str, library: dict[str, Any]) -> bool:
+    """Whether the gradient that loading registered for ``op_type`` is a function of ``library`` with
+    ``tf.nn.silu``'s gradient ops. Loading registers a Python wrapper whose closure holds the loaded function."""
+    from collections import Counter
+
+    from tensorflow.python.framework import ops
+
+    try:
+        wrapper = ops.gradient_registry.lookup(op_type)
+        names = {getattr(c.cell_contents, "name", None) for c in wrapper.__closure__ or ()}
+    except (LookupError, AttributeError, ValueError):
+        return False
+    names = {n.decode() if isinstance(n, bytes) else n for n in names} & set(library)
+    return len(names) == 1 and Counter(n.op for n in library[names.pop()].node_def
+                                       if n.op not in ("Const", "Identity")) == SILU_GRADIENT_OPS
 
 
 def _through_identities(tensor: str, by_name: dict[str, Any]) -> str:
