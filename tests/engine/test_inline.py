@@ -124,31 +124,3 @@ def test_vectorized_rows_are_checked_against_a_compiled_plain_gradient_that_catc
     problem = build_problem(called, inputs, of="logits", wrt="image")
     run_problem(problem, options=RunOptions(strategy="vectorized", chunk_rows=8))
     assert called.compiled.peek(ChunkKey.of_problem(problem, "loop", False)) is None
-
-
-@pytest.mark.parametrize("name,of,wrt,shape", [("cnn", "logits", "image", (2, 8, 8, 3)),
-                                               ("swish", "logits", "image", (2, 6, 6, 2))])
-@pytest.mark.parametrize("label", ["reverse/loop", "reverse/tiled"])
-def test_the_float64_copys_frozen_graph_is_imported_into_its_compiled_vjps_and_its_rows_agree(paths, name, of, wrt,
-                                                                                               shape, label):
-    """The precision guard's float64 VJPs (compiled, ``precision.KEPT``) import the copy's frozen graph and
-    differentiate it op by op: no call of the copy, no backward function of it; the rows equal a tape's through
-    the copy's call (float64 throughout), silu's override included."""
-    from worker.engine.float64 import float64_model
-    from worker.engine.matfree import build_operator
-
-    model64 = float64_model(load_model(str(paths[name])))
-    assert inline.inlined(model64) is not None
-    inputs = {wrt: rand(shape).astype(np.float64)}
-    op = build_operator(model64, inputs, of=of, wrt=wrt)
-    op.labels = {**op.labels, "vjp": label}
-    n_of = int(np.prod(op.of_shape))
-    picked = [0, 3, n_of - 1]
-    seeds = np.eye(n_of)[picked]
-    got = op.apply("vjp", seeds)
-    fn = model64.compiled.peek(op.key("vjp", label))
-    graph = fn.get_concrete_function().graph.as_graph_def()
-    assert not [n.name for n in graph.node if n.op in inline.CALL_OPS]
-    want = tape_jacobian(model64, inputs, of, wrt).reshape(n_of, -1)[picked]
-    assert got.dtype == np.float64
-    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from worker.engine import inline
 from worker.engine.model import LoadedModel
 
 FLOAT_TYPES = ("DT_FLOAT", "DT_HALF", "DT_BFLOAT16")
@@ -97,17 +96,6 @@ class _Deferred:
         self._lock = threading.Lock()
 
     def __call__(self, **inputs: Any) -> dict[str, Any]:
-        return self._build()(**inputs)
-
-    def inline_body(self) -> Any:
-        """The copy's graph as an ``inline.Body`` to import into a graph being traced (differentiated op by op, no
-        backward function of the copy's call), or None where it cannot be (``inline.frozen_body``)."""
-        try:
-            return self._build().body
-        except Float64Unavailable:
-            return None
-
-    def _build(self) -> Any:
         if self.call is None:
             import tensorflow as tf
 
@@ -118,7 +106,7 @@ class _Deferred:
                         self.model.compiled.float64 = built
                         raise built
                     self.call = built
-        return self.call
+        return self.call(**inputs)
 
 
 def _built(model: LoadedModel, variables: dict[str, Any], input_specs: dict[str, Any]) -> Any:
@@ -174,9 +162,6 @@ def _convert(model: LoadedModel, variables: dict[str, Any], input_specs: dict[st
     arg_specs = [input_specs[n] for n in order]
     var_specs = [tf.TensorSpec(variables[n].shape, variables[n].dtype) for n in var_order]
     wrapped = tf.compat.v1.wrap_function(imported, arg_specs + var_specs)
-    feeds = (*((arg, "input", n) for arg, n in zip(arg_names, order)),
-             *((const_of[n], "value", n) for n in var_order))
-    body = inline.frozen_body(graph_def, feeds, output_tensors, variables) if inline.enabled() else None
     held.clear()
     del graph_def
 
@@ -186,7 +171,6 @@ def _convert(model: LoadedModel, variables: dict[str, Any], input_specs: dict[st
         return wrapped(*args, *[variables[n] for n in var_order])
 
     call.wrapped = wrapped   # type: ignore[attr-defined]
-    call.body = body   # type: ignore[attr-defined]
     return _checked(call, input_specs)
 
 

@@ -44,9 +44,9 @@ class Body:
     """The signature's called function as a ``GraphDef``; calling it imports it into the graph being traced."""
 
     graph_def: Any                  # the called function's body
-    feeds: tuple[tuple[str, str, str], ...]   # (body placeholder, "input", "capture" or "value", its source)
+    feeds: tuple[tuple[str, str, str], ...]   # (body placeholder, "input" or "capture", input name / capture op)
     outputs: dict[str, str]         # signature output name -> the body's tensor name
-    captured: dict[str, Any]        # a capture placeholder -> the captured (external) handle; a "value" -> its variable
+    captured: dict[str, Any]        # the signature graph's capture placeholder -> the captured (external) handle
 
     def feeds_input(self, name: str) -> bool:
         """Whether the signature passes input ``name`` to its call: through the call op, its gradient is then
@@ -57,14 +57,9 @@ class Body:
         import tensorflow as tf
 
         graph = tf.compat.v1.get_default_graph()
-        def fed(kind: str, source: str) -> Any:
-            if kind == "input":
-                return tf.convert_to_tensor(inputs[source])
-            if kind == "value":   # a variable's value (the float64 copy's frozen weights)
-                return tf.convert_to_tensor(self.captured[source])
-            return graph.capture(self.captured[source])
-
-        feeds = {f"{placeholder}:0": fed(kind, source) for placeholder, kind, source in self.feeds}
+        feeds = {f"{placeholder}:0": (tf.convert_to_tensor(inputs[source]) if kind == "input"
+                                      else graph.capture(self.captured[source]))
+                 for placeholder, kind, source in self.feeds}
         names = sorted(self.outputs)
         got = tf.graph_util.import_graph_def(self.graph_def, input_map=feeds,
                                              return_elements=[self.outputs[n] for n in names], name="model")
@@ -80,9 +75,6 @@ def inlined(model: Any) -> Body | None:
     (module doc). Prepared once per loaded model (``model.compiled.inline``)."""
     if not enabled():
         return None
-    own = getattr(model.fn, "inline_body", None)   # a model built here (the float64 copy) gives its own
-    if own is not None:
-        return own()
     with _lock:
         if model.compiled.inline is None:
             try:
@@ -236,24 +228,6 @@ def _silu_gradient(op_type: str, library: dict[str, Any]) -> bool:
     names = {n.decode() if isinstance(n, bytes) else n for n in names} & set(library)
     return len(names) == 1 and Counter(n.op for n in library[names.pop()].node_def
                                        if n.op not in ("Const", "Identity")) == SILU_GRADIENT_OPS
-
-
-def frozen_body(graph_def: Any, feeds: tuple[tuple[str, str, str], ...], outputs: dict[str, str],
-                values: dict[str, Any]) -> Body | None:
-    """A ``Body`` of a graph built here (a copy of ``graph_def``, its feeds ``"input"`` or ``"value"``), or None
-    where it calls functions or overrides a gradient other than silu's (module doc)."""
-    import tensorflow as tf
-
-    body_def = tf.compat.v1.GraphDef()
-    body_def.CopyFrom(graph_def)
-    library = {f.signature.name: f for f in body_def.library.function}
-    for node in _restated_overrides(body_def, library):
-        _register_silu_gradient()
-        node.attr["_gradient_op_type"].s = SILU_OP_TYPE.encode()
-    if any(_calls_functions(n, set(library)) for n in body_def.node):
-        return None
-    del body_def.library.function[:]   # read only by the calls refused above
-    return Body(body_def, feeds, outputs, values)
 
 
 def _through_identities(tensor: str, by_name: dict[str, Any]) -> str:

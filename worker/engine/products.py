@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from contracts.kinds import kind_spec
-from worker.engine import inline
 from worker.engine.problem import unconnected
 from worker.engine.strategies import batch_axis_free, tile_inputs
 
@@ -33,26 +32,11 @@ def _flat(tf: Any, parts: Sequence[Any], dtype: str) -> Any:
     return tf.concat([tf.reshape(tf.cast(p, dtype), [-1]) for p in parts], axis=0)
 
 
-def _imported(tf: Any, op: Operator) -> inline.Body | None:
-    """The model's body to import into the graph being traced and differentiate op by op (``inline``; for the
-    float64 copy, its frozen graph: no backward function of its call), where every source is an input."""
-    return None if tf.executing_eagerly() or op.axis.variables else inline.inlined(op.model)
-
-
-def _imported_grads(tf: Any, op: Operator, body: inline.Body, y: Any, targets: list[Any], cotangent: Any) -> list:
-    """``tf.gradients`` through an imported body, an input the call is fed given zeros as through the call op."""
-    grads = tf.gradients(y, targets, grad_ys=cotangent)
-    return [tf.zeros_like(t) if g is None and body.feeds_input(n) else g for n, g, t in zip(op.axis.names, grads,
-                                                                                          targets)]
-
-
 def _grads(tf: Any, op: Operator, tape: Any, y: Any, targets: list[Any], cotangent: Any = None) -> list[Any]:
     """``tape.gradient`` w.r.t. every source, dense; an unconnected source (None) named explicitly raises
     InvalidRequest, one from ``"variables/*"`` gets zeros (unless ``of`` depends on none of them). Through a
-    loaded function TensorFlow gives zeros, not None, for a captured variable ``of`` does not read. ``tape`` an
-    ``inline.Body``: the gradients through its imported ops."""
-    grads = (_imported_grads(tf, op, tape, y, targets, cotangent) if isinstance(tape, inline.Body)
-             else tape.gradient(y, targets, output_gradients=cotangent))
+    loaded function TensorFlow gives zeros, not None, for a captured variable ``of`` does not read."""
+    grads = tape.gradient(y, targets, output_gradients=cotangent)
     if all(g is None for g in grads):
         raise unconnected(op.of, ", ".join(op.axis.names))
     out = []
@@ -73,11 +57,6 @@ def row_fn(tf: Any, op: Operator, kind: str, route: str, inputs: dict[str, Any])
     zero = tf.UnconnectedGradients.ZERO
 
     if spec.seeds == "of":   # v^T J
-        body = _imported(tf, op)
-        if body is not None:
-            y = body(inputs)[of]
-            return lambda u: _flat(tf, _grads(tf, op, body, y, targets, tf.cast(tf.reshape(u, tf.shape(y)), y.dtype)),
-                                   dtype)
         tape = tf.GradientTape()  # not persistent: see strategies._row_fn
         with tape:
             tape.watch(targets)
@@ -156,15 +135,10 @@ def _tiled(tf: Any, op: Operator, kind: str, seeds: Any, inputs: dict[str, Any])
         with tf.autodiff.ForwardAccumulator(targets, tangents) as acc:
             y = op.model.fn(**tiled)[op.of]
         return tf.reshape(tf.cast(acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO), dtype), [k, -1])
-    body = _imported(tf, op)
-    if body is not None:
-        y = body(tiled)[op.of]
-        grads = _imported_grads(tf, op, body, y, targets, tf.cast(tf.reshape(seeds, tf.shape(y)), y.dtype))
-    else:
-        with tf.GradientTape() as tape:
-            tape.watch(targets)
-            y = op.model.fn(**tiled)[op.of]
-        grads = tape.gradient(y, targets, output_gradients=tf.cast(tf.reshape(seeds, tf.shape(y)), y.dtype))
+    with tf.GradientTape() as tape:
+        tape.watch(targets)
+        y = op.model.fn(**tiled)[op.of]
+    grads = tape.gradient(y, targets, output_gradients=tf.cast(tf.reshape(seeds, tf.shape(y)), y.dtype))
     for name, g in zip(op.axis.names, grads):
         if g is None:
             raise unconnected(op.of, name)
