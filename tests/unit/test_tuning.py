@@ -89,6 +89,19 @@ def test_a_trial_runs_once_what_it_can_save_covers_its_cost():
     assert tuning.trial_pays(cost_s=10.0, remaining_s=0.1, past_work_s=40.0)      # repeated jobs: once paid
 
 
+def test_tiled_against_an_inlined_vectorized_is_tried_only_once_the_plans_work_covers_ten_times_the_trial():
+    """MobileNetV3Small's second process: a 6 s trial of ``tiled`` against 13 s of work done and 13 s left. It paid
+    at the general gain and lost every time; against an inlined ``vectorized`` it waits for ~60 s of work."""
+    inlined = tuning.expected_gain("tiled", "vectorized", inlined=True)
+    assert inlined == tuning.INLINED_TILED_GAIN < tuning.EXPECTED_GAIN
+    assert tuning.expected_gain("tiled", "vectorized", inlined=False) == tuning.EXPECTED_GAIN   # through the call op
+    assert tuning.expected_gain("vectorized", "tiled", inlined=True) == tuning.EXPECTED_GAIN
+    assert tuning.expected_gain("tiled+xla", "vectorized", inlined=True) == tuning.EXPECTED_GAIN
+    assert tuning.trial_pays(cost_s=6.0, remaining_s=13.0, past_work_s=13.0)
+    assert not tuning.trial_pays(cost_s=6.0, remaining_s=13.0, past_work_s=13.0, gain=inlined)
+    assert tuning.trial_pays(cost_s=6.0, remaining_s=13.0, past_work_s=52.0, gain=inlined)
+
+
 def test_a_candidate_clearly_slower_in_every_pair_so_far_has_lost():
     assert tuning.clearly_loses([1.0], [4.1])                      # one pair at 4x: no more pairs
     assert not tuning.clearly_loses([1.0], [1.3])                  # within what noise and a warm-up can do

@@ -201,7 +201,8 @@ def _pays(run: ChunkRun, candidate: str, *, rows_left: int, seconds_per_row: flo
     # an XLA candidate compiles at a quarter of the chunk and again at the chunk (one compile per shape)
     compiles = 2 if parse_label(candidate)[1] and max(1, k // 4) != k else 1
     cost = compiles * estimated_compile(run, candidate) + (2 + 4 * tuning.TRIAL_PAIRS) * seconds_per_row * k
-    return tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row, past_work_s=run.plan.work_s)
+    return tuning.trial_pays(cost_s=cost, remaining_s=rows_left * seconds_per_row, past_work_s=run.plan.work_s,
+                             gain=tuning.expected_gain(candidate, run.plan.strategy, inlined=inlined(run.problem)))
 
 
 def learn_compile(run: ChunkRun, candidate: str, estimate: float | None, trial: dict[str, Any]) -> None:

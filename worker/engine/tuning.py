@@ -50,6 +50,12 @@ FIRST_ROWS = 8            # the first chunk of an uncalibrated strategy
 FIRST_CALL_MARGIN = 1.25  # a new chunk size's first call can peak this much above its steady calls
 RECHECK_CHUNKS = 16       # a job re-checks its plan's chunk size when it has this many chunks of it to run
 EXPECTED_GAIN = 0.3       # what an alternative strategy may save, at most, as a fraction of the compute
+# ``tiled`` against a ``vectorized`` whose body is inlined (``expected_gain``): with the body in the trace pfor
+# shares the forward pass and converts plain ops, and ``tiled`` ran 1.5x (MobileNetV3Small) and 2.3x
+# (EfficientNetB0) its seconds per row; it lost every trial (14 of 14, on five models and two VM kinds, 2026-11-28),
+# each 0.1-0.4 s of a 1-3 s small-model job and 2.6-4.3 s of a large one. It is still tried, once the plan's work
+# covers ten times the trial.
+INLINED_TILED_GAIN = 0.1
 TIE_BAND = 0.05           # a candidate must be 5 % faster per row (median of pairs) to replace the incumbent
 CLEAR_LOSS = 1.5          # a candidate this many times slower per row in every pair so far has lost: no more pairs
 TRIAL_PAIRS = 3           # timed (incumbent, candidate) pairs in a trial
@@ -247,6 +253,14 @@ def estimated_compile_s(candidate: str, *, known: float | None, incumbent: str, 
                           inlined=inlined)
     return incumbent_compile_s * learned_factor(candidate, graph_ops=graph_ops, learned=learned,
                                                 inlined=inlined) / base
+
+
+def expected_gain(candidate: str, incumbent: str, *, inlined: bool) -> float:
+    """What a trial of ``candidate`` may save against ``incumbent`` (``trial_pays``): INLINED_TILED_GAIN for ``tiled``
+    against an inlined ``vectorized``, else EXPECTED_GAIN."""
+    if inlined and candidate == "tiled" and incumbent == "vectorized":
+        return INLINED_TILED_GAIN
+    return EXPECTED_GAIN
 
 
 def trial_pays(*, cost_s: float, remaining_s: float, past_work_s: float, gain: float = EXPECTED_GAIN) -> bool:
