@@ -161,5 +161,11 @@ if [[ "$(site_packages_state)" != "$before" ]]; then
   uv_sync --compile-bytecode --quiet || die "uv sync --compile-bytecode failed"
 fi
 
+# The project's own modules too: an editable install's sources are not the packages uv compiles, and with
+# PYTHONDONTWRITEBYTECODE=1 every process compiled them again (72 modules, 0.19 s of a warm `jacobian compute` of a
+# small model, 2-core Xeon). Every run: up to date, it only compares timestamps (0.13 s).
+"$VENV/bin/python" -m compileall -q -j 0 contracts jacobian app worker >/dev/null \
+  || die "compiling the project's bytecode failed (python -m compileall contracts jacobian app worker)"
+
 [[ -x "$VENV/bin/jacobian" ]] || die ".venv/bin/jacobian is missing: check [project.scripts] in pyproject.toml"
 log "done: .venv/bin/python, .venv/bin/jacobian, $(command -v redis-server)"
