@@ -118,7 +118,7 @@ def main() -> None:
                                   capture_output=True, text=True)
             if "NOT_INLINED" in proc.stderr:
                 print(f"{args.model}: not inlined: the engine keeps the call op (a body that calls functions or "
-                      f"overrides a gradient); nothing to compare", flush=True)
+                      f"overrides a gradient other than silu's); nothing to compare", flush=True)
                 emit("inline_trace", [{"model": args.model, "inlined": False}], args.out)
                 return
             if proc.returncode != 0:

@@ -65,11 +65,15 @@ def test_a_body_with_a_loop_keeps_the_call_op_and_its_rows(paths):
 
 
 @pytest.mark.parametrize("strategy", ["tiled", "vectorized"])
-def test_silu_whose_override_restates_its_gradient_is_imported_without_it_and_its_rows_agree(paths, strategy):
+def test_silu_whose_override_restates_its_gradient_is_imported_with_the_engines_silu_gradient(paths, strategy):
     """Keras' ``swish`` (EfficientNet's activation) is ``tf.nn.silu``: a gradient override that recomputes the
-    sigmoid to save memory. The override is dropped and ``tf.gradients`` differentiates its ops: the same rows."""
+    sigmoid to save memory. Its loaded gradient cannot run on imported ops: the override is pointed at the engine's
+    own silu gradient (``inline.SILU_OP_TYPE``), and the rows are the tape's."""
     model = load_model(str(paths["swish"]))
-    assert inline.inlined(model) is not None
+    body = inline.inlined(model)
+    assert body is not None
+    assert any("_gradient_op_type" in n.attr and n.attr["_gradient_op_type"].s == inline.SILU_OP_TYPE.encode()
+               for n in body.graph_def.node)
     inputs = {"image": rand((2, 6, 6, 2))}
     rows, calls = _rows(model, inputs, "logits", "image", strategy)
     assert not calls

@@ -183,7 +183,7 @@ def _restated_overrides(graph_def: Any, library: dict[str, Any]) -> list[Any]:
             continue
         y, x, beta = (op_of(i) for i in node.input)
         product = operands(y, "Mul")
-        if x is None or beta is None or not product or x not in product:
+        if x is None or beta is None or not product or not any(p is x for p in product):
             continue
         (sigmoid,) = [p for p in product if p is not x] or [x]
         scaled = operands(sigmoid, "Sigmoid")
