@@ -97,14 +97,17 @@ def first_call_s(record: Mapping[str, Any]) -> float | None:
 
 
 def first_calls(plan: Mapping[str, Any], label: str, rows: int, k: int, *, forced: bool) -> tuple[float, int] | None:
-    """Seconds of the first calls a fresh process would make (the plan's ``first_call_s`` per chunk size it would
-    call first, ``first_call_sizes``) and how many; None when the plan has not measured one."""
+    """Seconds of the first calls a fresh process would make at the chunk sizes it would call (``first_call_sizes``)
+    and how many; None when the plan has not measured the first one. The first is the trace (``first_call_s``);
+    each further size costs a compile under XLA (``compile_s``), else only its own first call (``resize_s``:
+    ``worker.engine.plan.StrategyRecord.new_size_cost``)."""
     record = plan["strategies"][label]
     compile_s = first_call_s(record)
     if compile_s is None:
         return None
     sizes = first_call_sizes(label, rows, k, timed=record.get("rates") or {}, forced=forced)
-    return float(compile_s) * len(sizes), len(sizes)
+    later = record.get("compile_s") if label.endswith("+xla") else record.get("resize_s")
+    return float(compile_s) + float(later or 0.0) * max(len(sizes) - 1, 0), len(sizes)
 
 
 def untried_strategies(plan: Mapping[str, Any], spec: QueuedJob) -> list[str]:

@@ -56,7 +56,7 @@ def test_a_first_call_from_a_kept_trace_is_recorded_apart_from_a_traced_one(cnn_
         report.learned.dumps()), chunk_rows=None)
     kept = report.learned.record("tiled")
     assert from_kept_trace(problem, "tiled")
-    assert kept.compile_s == traced.compile_s and kept.kept_compile_s is not None
+    assert kept.compile_s == traced.compile_s and kept.kept_compile_s is not None, (report.plan["time"], kept)
     assert Plan.loads(report.learned.dumps()).record("tiled").kept_compile_s == kept.kept_compile_s
 
 

@@ -88,7 +88,7 @@ def test_a_compile_over_its_estimate_is_learnt_and_kept_with_the_plan(wide, monk
 
 @pytest.mark.parametrize("work_s, grows", [(0.0, False), (10.0, False), (20.0, True), (1000.0, True)])
 def test_a_new_size_s_compile_is_repaid_by_the_plan_s_jobs_not_only_by_this_one(tmp_path, work_s, grows):
-    """A short job never repays a new chunk size's first call (``compile_s``) by itself; the jobs its plan has
+    """A short job never repays a dear new chunk size's first call (``resize_s``) by itself; the jobs its plan has
     run (``work_s``) stand for the jobs to come, as they do for a strategy trial. Without them a 256-row
     request kept its 8-row chunk for ever: on an H100 the MLP's 300th job still ran 8-row chunks, 8x slower
     than ``tape.batch_jacobian`` (docs/BENCHMARKS.md, "GPU: TensorFlow on an H100"). Those jobs count at a
@@ -100,8 +100,8 @@ def test_a_new_size_s_compile_is_repaid_by_the_plan_s_jobs_not_only_by_this_one(
                        options=RunOptions(strategy="tiled", chunk_rows=8, refine="never")).learned
     record = plan.record("tiled")
     assert 8 in record.rates, plan
-    record.preferred_rows, record.compile_s, plan.work_s = 8, 5.0, work_s
-    model.compiled._fns.clear()   # no size compiled in this process: a doubling's first call is a compile
+    record.preferred_rows, record.resize_s, plan.work_s = 8, 5.0, work_s
+    model.compiled._fns.clear()   # no size called in this process
     report = run_problem(problem, plan=plan, options=RunOptions(strategy="tiled", refine="never"))
     sizes = {size for size, _ in report.plan["chunks_run"]}
     assert (16 in sizes) is grows, report.plan

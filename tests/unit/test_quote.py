@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from contracts.jobspec import SEEDS_MEMBER, ModelRef, QueuedJob
-from contracts.plan_predictions import first_call_sizes
+from contracts.plan_predictions import first_call_sizes, first_calls
 from contracts.plans import plan_request, request_digest, request_key_json
 from contracts.quote import quote
 from contracts.savedmodel import Signature, TensorSpec
@@ -120,10 +120,18 @@ def test_seconds_count_the_first_calls_of_a_fresh_process_beside_the_steady_part
     q = quote(job(of="y", wrt="x"), SIG, {}, SHAPES, plan=plan.to_json())
     assert q.predicted_steady_seconds == steady and q.predicted_seconds == round(steady + 2.5, 4)
     assert "fresh worker process" in q.basis and "1 chunk size)" in q.basis
-    # a pinned chunk of 24 rows: 24, 24 and a tail of 16, a second size and a second first call
+    # a pinned chunk of 24 rows: 24, 24 and a tail of 16, a second size: its first call reuses the trace, and costs
+    # the plan's ``resize_s`` (nothing while none is measured), not a second trace
     pinned = quote(job(of="y", wrt="x", chunk_rows=24), SIG, {}, SHAPES, plan=plan.to_json())
-    assert pinned.predicted_seconds == round(pinned.predicted_steady_seconds + 2 * 2.5, 4)
+    assert pinned.predicted_seconds == round(pinned.predicted_steady_seconds + 2.5, 4)
     assert "2 chunk sizes" in pinned.basis
+    plan.strategies["vectorized"].resize_s = 0.03
+    pinned = quote(job(of="y", wrt="x", chunk_rows=24), SIG, {}, SHAPES, plan=plan.to_json())
+    assert pinned.predicted_seconds == round(pinned.predicted_steady_seconds + 2.5 + 0.03, 4)
+    # under XLA every shape compiles: the second size costs another compile
+    plan.strategies["tiled+xla"] = StrategyRecord.from_json(plan.strategies["vectorized"].to_json())
+    assert first_calls(plan.to_json(), "tiled+xla", 64, 24, forced=True) == (2 * 2.5, 2)
+    assert first_calls(plan.to_json(), "vectorized", 64, 24, forced=True) == (2.5 + 0.03, 2)
 
 
 def test_a_first_call_from_a_kept_trace_is_quoted_where_the_plan_timed_one():

@@ -63,6 +63,7 @@ class ChunkRun:
         self.batch = problem.of_shape[0] if problem.spec.batch_axis and problem.of_shape else None
         self.ladders: dict[str, Ladder] = {}
         self.first_call: dict[str, tuple[int, float]] = {}   # per strategy: its first call's size and seconds
+        self.first_at_size: dict[tuple[str, int], float] = {}   # a later new size's first call: its seconds
         self.kept: set[str] = set()   # strategies whose function this process loaded from a kept trace
         self.chunks_run: dict[int, int] = {}       # planned chunk size -> the least largest-timed size before it
         self.new_size = False                      # the last call's size had not run before in this process
@@ -104,13 +105,10 @@ class ChunkRun:
     # -- one chunk ------------------------------------------------------------------------------
 
     def call(self, label: str, start: int, n: int, k: int | None = None) -> tuple[np.ndarray, float, int, bool]:
-        """Rows ``start .. start + n`` by ``label`` from a call of ``k >= n`` rows:
-        ``(rows, seconds, peak bytes, first call)``.
-
-        XLA runs a power-of-two ``k`` (one compile per size); surplus rows are sliced off on the
-        device. Raises what the strategy raises. The call's whole time (trace, peaks) goes to the timeline,
-        a failed call's too. Where its seconds decide something, the writer's queued blocks are written first.
-        """
+        """Rows ``start .. start + n`` by ``label`` from a call of ``k >= n`` rows: ``(rows, seconds, peak bytes,
+        first call)``. XLA runs a power-of-two ``k`` (one compile per size); surplus rows are sliced off on the
+        device. Raises what the strategy raises. The call's whole time (trace, peaks) goes to the timeline, a failed
+        call's too. Where its seconds decide something, the writer's queued blocks are written first."""
         if self.writer_settle is not None and self.timing_decides(label):
             self.writer_settle()
         t_call = time.perf_counter()
@@ -294,15 +292,15 @@ class ChunkRun:
 
     def repays_first_call(self, label: str, k: int, called: set[int], *, rows_left: int, rate: float | None,
                           later_s: float = 0.0) -> bool:
-        """Whether a chunk size of ``k`` rows repays its first call here (a trace, ``compile_s``) from what a
-        doubling saves: this job's rows left (at ``rate`` rows/s) at ``GROWTH_GAIN``, and ``later_s`` saved in the
-        plan's later jobs (``can_grow_to``: its jobs' compute so far at ``tuning.later_jobs_gain``; at ``GROWTH_GAIN``
-        an H100 ran an MLP's 256-row jobs in 8-row chunks after 1249 jobs, 9x slower than ``tape.batch_jacobian``).
-        A kept size's half is re-checked in every process: this job alone. Unknown: yes."""
-        compile_s = self.plan.record(label).compile_s
-        if not self.throughput_cap or k in called or not compile_s or not rate:
+        """Whether a chunk size of ``k`` rows repays its first call here (``StrategyRecord.new_size_cost``: a compile
+        under XLA, else far less than a trace) from what a doubling saves: this job's rows left (at ``rate`` rows/s)
+        at ``GROWTH_GAIN``, and ``later_s`` saved in the plan's later jobs (``can_grow_to``: its jobs' compute so far
+        at ``tuning.later_jobs_gain``; at ``GROWTH_GAIN`` an H100 ran an MLP's 256-row jobs in 8-row chunks after 1249
+        jobs). A kept size's half is re-checked in every process: this job alone. Unknown: yes."""
+        cost = self.plan.record(label).new_size_cost(xla=parse_label(label)[1])
+        if not self.throughput_cap or k in called or not cost or not rate:
             return True
-        return rows_left / rate * GROWTH_GAIN + later_s >= compile_s
+        return rows_left / rate * GROWTH_GAIN + later_s >= cost
 
     def measured(self, label: str, k: int, seconds: float, peak: int, first: bool, remaining_after: int, *,
                  warm: bool) -> None:
@@ -322,12 +320,17 @@ class ChunkRun:
         ladder.observe(k, seconds, peak, warm=warm, sampled=not (self.host is not None and self.host.skipped),
                        can_grow_to=lambda n: self.can_grow_to(label, n, remaining_after))
         call = self.first_call.get(label)
-        if call is not None and warm and k == call[0]:
-            first_s = round(max(call[1] - seconds, 0.0), 3)
+        if call is not None and warm:   # its first size's steady seconds: scaled from this size's where it grew first
+            first_s = round(max(call[1] - seconds * call[0] / k, 0.0), 3)
             if label in self.kept and record.kept_compile_s is None:
                 record.kept_compile_s = first_s
             elif label not in self.kept and record.compile_s is None:
                 record.compile_s = first_s
+        if not first and not warm:
+            self.first_at_size[(label, k)] = seconds
+        elif warm and (label, k) in self.first_at_size:   # a running mean: one slow first call does not stop growth
+            new, old = max(self.first_at_size.pop((label, k)) - seconds, 0.0), record.resize_s
+            record.resize_s = round(new if old is None else 0.5 * (old + new), 4)
         self.settle(label)
 
     def settle(self, label: str) -> None:
