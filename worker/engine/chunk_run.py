@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from contracts.plan_predictions import new_size_cost
 from worker.engine import strategies, tf_logs, tuning
 from worker.engine.agreement import rows_agree
 from worker.engine.errors import EngineError, MemoryBudgetTooSmall
@@ -292,12 +293,12 @@ class ChunkRun:
 
     def repays_first_call(self, label: str, k: int, called: set[int], *, rows_left: int, rate: float | None,
                           later_s: float = 0.0) -> bool:
-        """Whether a chunk size of ``k`` rows repays its first call here (``StrategyRecord.new_size_cost``: a compile
-        under XLA, else far less than a trace) from what a doubling saves: this job's rows left (at ``rate`` rows/s)
-        at ``GROWTH_GAIN``, and ``later_s`` saved in the plan's later jobs (``can_grow_to``: its jobs' compute so far
-        at ``tuning.later_jobs_gain``; at ``GROWTH_GAIN`` an H100 ran an MLP's 256-row jobs in 8-row chunks after 1249
-        jobs). A kept size's half is re-checked in every process: this job alone. Unknown: yes."""
-        cost = self.plan.record(label).new_size_cost(xla=parse_label(label)[1])
+        """Whether a chunk size of ``k`` rows repays its first call here (``new_size_cost``: a compile under XLA, else
+        far less than a trace) from what a doubling saves: this job's rows left (at ``rate`` rows/s) at GROWTH_GAIN,
+        and ``later_s`` saved in the plan's later jobs (``can_grow_to``; ENGINE_API.md, step 3, says why they count). A
+        kept size's half is re-checked in every process: this job alone. Unknown: yes."""
+        record = self.plan.record(label)
+        cost = new_size_cost(label, compile_s=record.compile_s, resize_s=record.resize_s)
         if not self.throughput_cap or k in called or not cost or not rate:
             return True
         return rows_left / rate * GROWTH_GAIN + later_s >= cost

@@ -92,7 +92,8 @@ class StrategyRecord:
                                           # TensorFlow does on a first call that no kept graph saves
     resize_s: float | None = None    # a new chunk size's first call minus a steady call of that size, its function
                                      # already called at another size in the process: what a doubling's first call
-                                     # costs a strategy whose function takes any size (not XLA: ``compile_s``)
+                                     # costs a strategy whose function takes any size (not XLA: ``compile_s``;
+                                     # ``contracts.plan_predictions.new_size_cost``)
     compile_factor: float | None = None   # its compile as a multiple of ``tiled``'s, measured by a trial whose
                                           # compile exceeded the estimate (``worker.engine.tuning.learned_factor``)
     memory: LinearFit | None = None  # peak bytes of a chunk, in rows: at or above every measured peak
@@ -147,13 +148,6 @@ class StrategyRecord:
 
     def best_rate(self) -> float | None:
         return max(self.rates.values()) if self.rates else None
-
-    def new_size_cost(self, *, xla: bool) -> float | None:
-        """What a new chunk size's first call costs beyond a steady call (None: not measured). An XLA function
-        compiles each shape (``compile_s``); any other takes the chunk's size as a tensor, so its trace is paid once
-        per process whatever the size, and a new size costs only its own first call (``resize_s``: 2-135 ms on the
-        CPU, against a trace of 0.2-2.7 s, small models to MobileNetV3Small)."""
-        return self.compile_s if xla else self.resize_s
 
 
 def _comparing(raw: Any) -> list[Any] | None:
