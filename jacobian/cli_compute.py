@@ -55,6 +55,9 @@ def cmd_compute(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(job, args, settings)
     configure_devices(settings)
+    from worker.engine.host_peak import freeze_imports
+
+    freeze_imports()   # after the devices are set: it imports TensorFlow
     progress = RowProgress(sys.stderr)  # a bar on a terminal, else a line every 10 s and the last one
 
     def on_plan(plan: dict[str, Any]) -> None:

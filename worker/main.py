@@ -198,7 +198,8 @@ def preload_engine() -> None:
     """Import TensorFlow and the engine now, before the worker takes a job, so that its first job costs what the
     model costs (loading, traces) and not TensorFlow's import too (3 s of a 2-core VM's CPU; the service's first
     job of a model took as long as a whole ``jacobian compute`` process). GPUs get memory growth and TF32 off as
-    ``load_model`` gives them (``prepare_gpus``; ``configure_devices`` has pinned the GPU). A failure is logged:
+    ``load_model`` gives them (``prepare_gpus``; ``configure_devices`` has pinned the GPU), and what is imported is
+    put out of the cyclic collector's reach (``host_peak.freeze_imports``). A failure is logged:
     the job that needs TensorFlow reports it."""
     import time
 
@@ -206,8 +207,10 @@ def preload_engine() -> None:
     try:
         import worker.execution.dense  # noqa: F401 - the dense family's modules, imported by the first job else
         from worker.engine.devices import prepare_gpus
+        from worker.engine.host_peak import freeze_imports
 
         prepare_gpus()
+        freeze_imports()
     except Exception as err:  # noqa: BLE001 - the first job says what is wrong, in its own error
         log.warning("TensorFlow could not be prepared before the first job: %s: %s", type(err).__name__, err)
         return

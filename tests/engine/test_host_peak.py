@@ -174,3 +174,34 @@ def test_a_trials_calls_are_all_read_so_that_both_sides_are_timed_alike(lstm, mo
     assert run.status["trial"]["candidate"] == "vectorized" and not run.in_trial
     incumbent = [d for size, d in decided if size[0] == "tiled"]
     assert incumbent and all(incumbent), decided
+
+
+def test_freeze_imports_leaves_what_jobs_make_collectable():
+    """``freeze_imports`` (a fresh process: the freeze is for the process's life) puts TensorFlow's objects out of
+    the collector's reach, once; a reference cycle made after it is still collected, and a full collection walks
+    only what was made since (far fewer objects than TensorFlow's modules hold)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import gc, sys, weakref
+        from worker.engine.host_peak import freeze_imports
+        freeze_imports()
+        frozen = gc.get_freeze_count()
+        assert "tensorflow" in sys.modules
+        freeze_imports()
+        assert gc.get_freeze_count() == frozen, (gc.get_freeze_count(), frozen)
+        class Node: pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert gone() is None, "a cycle made after the freeze was not collected"
+        print(frozen, len(gc.get_objects()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    frozen, tracked = map(int, out.stdout.split())
+    assert frozen > 100_000 and tracked < frozen // 10, (frozen, tracked)

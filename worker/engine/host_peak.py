@@ -39,6 +39,9 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
+_FROZEN = False
+
+
 def trim_heap() -> bool:
     """Give the heap's free memory back to the kernel (glibc's ``malloc_trim(0)``); False where there is none."""
     trim = _malloc_trim()
@@ -46,6 +49,24 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def freeze_imports() -> None:
+    """Import TensorFlow and put every object alive now out of the cyclic garbage collector's reach, once per
+    process (``gc.freeze``): a process that runs jobs calls it before its first one, when what is alive is
+    TensorFlow's modules and the engine's, which live as long as the process anyway. Each full collection then
+    walks only what jobs made since, not TensorFlow's hundreds of thousands of objects: a cold ``jacobian compute``
+    of the transformer encoder spent 0.2 s collecting after its float64 probes (``precision._drop_copy``) and
+    0.2 s more in the collections that tracing set off (2-core EPYC; 0.4 s of a 4.4 s process)."""
+    global _FROZEN
+    if _FROZEN:
+        return
+    import gc
+
+    import tensorflow  # noqa: F401 - its modules are what is frozen
+
+    gc.freeze()
+    _FROZEN = True
 
 
 def status_bytes(field: str, path: str | None = None) -> int | None:
