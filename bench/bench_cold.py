@@ -50,10 +50,12 @@ from bench.common import assert_same, chunk_growth_problems, cpu_hogs, emit, kee
 from tests.procs import base_env, jacobian_exe
 
 REPO = Path(__file__).resolve().parents[1]
-# The floor: a process that imports TensorFlow as our engine does (without Keras and JAX) and loads the
+# The floor: a process that imports TensorFlow as our engine does (without Keras and JAX; the collector off
+# during the import, ``freeze_imports``) and loads the
 # SavedModel, nothing else. Any process that computes the Jacobian does at least this, so a goal this process
 # misses (peer/floor < 4, floor RSS / peer's > 0.5) is out of reach of every TensorFlow process here.
-FLOOR = "import sys, worker.engine, tensorflow as tf; tf.saved_model.load(sys.argv[1])"
+FLOOR = ("import sys; from worker.engine.host_peak import freeze_imports; freeze_imports('worker.engine'); "
+         "import tensorflow as tf; tf.saved_model.load(sys.argv[1])")
 ARCHS = ("mobilenet_softmax", "mobilenet_logits", "efficientnet", "transformer", "lstm", "conv1d")
 
 

@@ -205,12 +205,12 @@ def preload_engine() -> None:
 
     t0 = time.perf_counter()
     try:
-        import worker.execution.dense  # noqa: F401 - the dense family's modules, imported by the first job else
-        from worker.engine.devices import prepare_gpus
         from worker.engine.host_peak import freeze_imports
 
+        freeze_imports("worker.execution.dense")   # the dense family's modules, imported by the first job else
+        from worker.engine.devices import prepare_gpus
+
         prepare_gpus()
-        freeze_imports()
     except Exception as err:  # noqa: BLE001 - the first job says what is wrong, in its own error
         log.warning("TensorFlow could not be prepared before the first job: %s: %s", type(err).__name__, err)
         return

@@ -177,9 +177,10 @@ def test_a_trials_calls_are_all_read_so_that_both_sides_are_timed_alike(lstm, mo
 
 
 def test_freeze_imports_leaves_what_jobs_make_collectable():
-    """``freeze_imports`` (a fresh process: the freeze is for the process's life) puts TensorFlow's objects out of
-    the collector's reach, once; a reference cycle made after it is still collected, and a full collection walks
-    only what was made since (far fewer objects than TensorFlow's modules hold)."""
+    """``freeze_imports`` (a fresh process: the freeze is for the process's life) imports TensorFlow and the modules
+    named and puts their objects out of the collector's reach, once, the collector on again after; a reference
+    cycle made after it is still collected, and a full collection walks only what was made since (far fewer
+    objects than TensorFlow's modules hold)."""
     import subprocess
     import sys
     import textwrap
@@ -187,9 +188,11 @@ def test_freeze_imports_leaves_what_jobs_make_collectable():
     code = textwrap.dedent("""
         import gc, sys, weakref
         from worker.engine.host_peak import freeze_imports
-        freeze_imports()
+        assert "tensorflow" not in sys.modules
+        freeze_imports("worker.execution.dense")
         frozen = gc.get_freeze_count()
-        assert "tensorflow" in sys.modules
+        assert "tensorflow" in sys.modules and "worker.execution.dense" in sys.modules
+        assert gc.isenabled(), "the collector was left off"
         freeze_imports()
         assert gc.get_freeze_count() == frozen, (gc.get_freeze_count(), frozen)
         class Node: pass
