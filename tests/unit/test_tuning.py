@@ -83,6 +83,14 @@ def test_default_order_by_graph_size_and_similar_choice():
     assert tuning.default_order(["vectorized", "loop", "eager"], graph_ops=5000)[0] == "vectorized"
 
 
+def test_a_loop_that_carries_tensor_lists_puts_tiled_first_even_on_a_small_or_inlined_graph():
+    applicable = ["tiled", "vectorized", "loop", "eager"]
+    assert tuning.default_order(applicable, graph_ops=50, list_loops=True)[:2] == ["tiled", "vectorized"]
+    assert tuning.default_order(applicable, graph_ops=50, inlined=True, list_loops=True)[0] == "tiled"
+    assert tuning.default_order(["vectorized", "loop", "eager"], list_loops=True)[0] == "vectorized"   # no tiled
+    assert tuning.default_order(applicable, list_loops=True, second_order_loops=True)[0] == "loop"
+
+
 def test_a_trial_runs_once_what_it_can_save_covers_its_cost():
     assert not tuning.trial_pays(cost_s=10.0, remaining_s=5.0, past_work_s=0.0)   # a short job: never
     assert tuning.trial_pays(cost_s=10.0, remaining_s=40.0, past_work_s=0.0)      # a long job: now

@@ -82,7 +82,8 @@ def _deferred(model: LoadedModel) -> LoadedModel:
                        input_specs=input_specs, output_specs={n: spec64(s, n) for n, s in model.output_specs.items()},
                        variables={**{n: v for n, v in model.variables.items() if n not in variables}, **variables},
                        fingerprint=float64_fingerprint(model.fingerprint),
-                       graph_ops=model.graph_ops, shapes_of=model)
+                       graph_ops=model.graph_ops, graph_loops=model.graph_loops,
+                       graph_list_loops=model.graph_list_loops, shapes_of=model)
 
 
 class _Deferred:

@@ -87,6 +87,7 @@ class LoadedModel:
     fingerprint: str = ""
     graph_ops: int = 0               # ops of the signature's graph and its functions: how costly pfor's trace is
     graph_loops: int = 0             # While ops among them: pfor fails on their second derivatives (tuning)
+    graph_list_loops: int = 0        # those of them carrying TensorLists (Keras RNNs): and on their first too
     compiled: CompiledChunks = field(default_factory=CompiledChunks)
     shapes_of: LoadedModel | None = None   # a model whose outputs have this one's shapes (a float64 copy's original)
 
@@ -181,13 +182,19 @@ def _object_paths(root: Any, wanted: set[int]) -> dict[int, str]:
 
 
 def graph_counts(fn: Any) -> dict[str, int]:
-    """``LoadedModel``'s ``graph_ops`` and ``graph_loops`` (``While`` ops) of ``fn``'s graph and its functions."""
+    """``LoadedModel``'s ``graph_ops``, ``graph_loops`` (``While`` ops) and ``graph_list_loops`` (those with a
+    ``variant`` loop variable: a ``TensorList``, as a Keras RNN's ``TensorArray`` of steps) of ``fn``'s graph and
+    its functions."""
     try:
         graph_def = fn.graph.as_graph_def()
     except Exception:  # noqa: BLE001 - a size estimate only
-        return {"graph_ops": 0, "graph_loops": 0}
+        return {"graph_ops": 0, "graph_loops": 0, "graph_list_loops": 0}
+    from tensorflow.core.framework import types_pb2
+
     nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
-    return {"graph_ops": len(nodes), "graph_loops": sum(n.op in ("While", "StatelessWhile") for n in nodes)}
+    loops = [n for n in nodes if n.op in ("While", "StatelessWhile")]
+    return {"graph_ops": len(nodes), "graph_loops": len(loops),
+            "graph_list_loops": sum(types_pb2.DT_VARIANT in n.attr["T"].list.type for n in loops)}
 
 
 def describe_signature(model: LoadedModel) -> dict[str, dict[str, dict[str, Any]]]:

@@ -43,8 +43,9 @@ def candidates(op: Operator, kind: str) -> list[str]:
     route = tiled_route(kind)
     if route is not None and tiled_ok(op):
         tiled, vectorized = f"{route}/tiled", f"{route}/vectorized"
-        if vectorized in out:   # a large graph: tiled first (pfor's trace of it costs tens of seconds)
-            at = out.index(vectorized) + (op.model.graph_ops <= SMALL_GRAPH_OPS)
+        if vectorized in out:   # a large graph or a loop of TensorLists: tiled first (pfor's trace of it costs
+            # tens of seconds; pfor fails on that loop's gradient, ``strategies.pfor_fails_on_loops``)
+            at = out.index(vectorized) + (op.model.graph_ops <= SMALL_GRAPH_OPS and not op.model.graph_list_loops)
             out.insert(at, tiled)
     if spec.scalar_of and op.model.graph_loops and LOOP_FIRST in out:   # H v through loops: no pfor first
         out.insert(0, out.pop(out.index(LOOP_FIRST)))

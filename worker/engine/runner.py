@@ -22,7 +22,14 @@ from worker.engine.errors import EngineError, NotDifferentiable, Stopped, WrongR
 from worker.engine.memory import MemoryProbe, TFMemoryProbe, is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import BASE_STRATEGIES, BATCHED, inlined, is_applicable, second_order_loops
+from worker.engine.strategies import (
+    BASE_STRATEGIES,
+    BATCHED,
+    inlined,
+    is_applicable,
+    pfor_fails_on_loops,
+    second_order_loops,
+)
 from worker.engine.trial import avoid_unseen, fall_back, mark_refined, maybe_trial, strategy_for_job
 
 log = logging.getLogger(__name__)
@@ -79,7 +86,7 @@ def default_plan(problem: Problem, *, similar: str | None = None, key: Any = Non
     applicable = applicable_labels(problem)
     order = tuning.default_order(applicable, similar if similar in applicable else None,
                                  graph_ops=problem.model.graph_ops, second_order_loops=second_order_loops(problem),
-                                 inlined=inlined(problem))
+                                 list_loops=pfor_fails_on_loops(problem), inlined=inlined(problem))
     return Plan(strategy=order[0], key=key, source="default")
 
 

@@ -93,6 +93,14 @@ def reference_row(problem: Problem, label: str, row: int, trace_dir: str | None)
         return np.asarray(fn(row, 1))[0]
 
 
+def pfor_fails_on_loops(problem: Problem) -> bool:
+    """A first-order reverse Jacobian through a ``While`` loop that carries a ``TensorList`` (a Keras RNN not
+    unrolled): pfor cannot convert the loop's gradient (TensorFlow 2.21: "Required handle data not set" for its
+    ``variant`` accumulators; 0.9 s to fail on the benchmark's LSTM, 2 s on a small GRU), where loops of plain
+    tensors (an RK4 integrator) convert. ``tiled`` is tried first (``tuning.default_order``)."""
+    return bool(problem.mode == "reverse" and not problem.spec.scalar_of and problem.model.graph_list_loops)
+
+
 def second_order_loops(problem: Problem) -> bool:
     """A Hessian through ``While`` loops: ``loop`` is tried before pfor (``tuning.default_order``)."""
     return bool(problem.spec.scalar_of and problem.model.graph_loops)

@@ -179,12 +179,13 @@ def host_growth_verdict(pairs: list[tuple[float, float]], *, gain: float, pairs_
 
 
 def default_order(applicable: Iterable[str], similar: str | None = None, *, graph_ops: int = 0,
-                  second_order_loops: bool = False, inlined: bool = False) -> list[str]:
+                  second_order_loops: bool = False, list_loops: bool = False, inlined: bool = False) -> list[str]:
     """Strategies to start with, in order: a similar request's choice, then by graph size unless the model's body
-    is ``inlined`` (``vectorized`` first: INLINED_FACTOR) (``loop`` first for ``second_order_loops``: a Hessian
-    through ``While`` loops), then the fallbacks."""
+    is ``inlined`` (``vectorized`` first: INLINED_FACTOR) or ``list_loops`` (``tiled`` first: pfor fails on the
+    gradient of a loop that carries a ``TensorList``, ``strategies.pfor_fails_on_loops``) (``loop`` first for
+    ``second_order_loops``: a Hessian through ``While`` loops), then the fallbacks."""
     applicable = list(applicable)
-    small = graph_ops <= SMALL_GRAPH_OPS or inlined
+    small = (graph_ops <= SMALL_GRAPH_OPS or inlined) and not list_loops
     first = ["vectorized", "tiled"] if small else ["tiled", "vectorized"]
     first = ["loop", *first] if second_order_loops else first
     order = [s for s in ([similar] if similar else []) + first + list(FALLBACKS) if s in applicable]
