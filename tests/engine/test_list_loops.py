@@ -80,3 +80,12 @@ def test_the_matrix_free_products_of_such_a_loop_try_tiled_before_pfor(loop_mode
     assert labels.index("reverse/tiled") < labels.index("reverse/vectorized"), labels
     labels = candidates(build_operator(loop_model("rk4"), {"x0": X0}, kind="vjp"), "vjp")
     assert "reverse/tiled" not in labels and labels[0] == "reverse/vectorized", labels
+
+
+def test_the_float64_copy_keeps_the_loop_counts(loop_model):
+    """A ``precision: "auto"`` promotion runs the job again on the float64 copy: its strategies are ordered by
+    the same counts (a Hessian through loops on ``loop`` first, not on pfor that fails)."""
+    from worker.engine.float64 import float64_model
+
+    copy = float64_model(loop_model("gru"))
+    assert copy is not loop_model("gru") and (copy.graph_loops, copy.graph_list_loops) == (1, 1)
