@@ -55,9 +55,6 @@ def cmd_compute(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(job, args, settings)
     configure_devices(settings)
-    from worker.engine.host_peak import freeze_imports
-
-    freeze_imports()   # after the devices are set: it imports TensorFlow
     progress = RowProgress(sys.stderr)  # a bar on a terminal, else a line every 10 s and the last one
 
     def on_plan(plan: dict[str, Any]) -> None:
@@ -66,6 +63,9 @@ def cmd_compute(args: argparse.Namespace) -> int:
 
     print(f"job {job_id}: {args.kind} of {args.of or '(the output)'} w.r.t. {wrt or '(the input)'}"
           f"{f' ({args.sparsity} sparsity)' if args.sparsity else ''}", file=sys.stderr, flush=True)
+    from worker.engine.host_peak import freeze_imports
+
+    freeze_imports()   # TensorFlow, after the devices are set and the job's line is out
     try:
         seeds = load_seeds(args.seeds)
         inputs = load_inputs(args.input, settings=settings, field="--input")
