@@ -10,6 +10,7 @@ import pytest
 
 from tests import loop_models
 from tests.engine.conftest import loader
+from tests.engine.reference import tape_jacobian
 from worker.engine import RunOptions, TFMemoryProbe, build_problem, run_problem
 from worker.engine.runner import default_plan
 from worker.engine.strategies import pfor_fails_on_loops
@@ -22,16 +23,6 @@ X0 = np.random.default_rng(1).standard_normal(4)
 def loop_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("list_loops")
     return loader({"gru": loop_models.gru(root / "gru"), "rk4": loop_models.rk4(root / "rk4")})
-
-
-def tape_jacobian(model, inputs, of, wrt) -> np.ndarray:
-    import tensorflow as tf
-
-    x = tf.constant(inputs[wrt])
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch(x)
-        y = model.fn(**{**inputs, wrt: x})[of]
-    return tape.jacobian(y, x, experimental_use_pfor=False).numpy().reshape(int(np.prod(y.shape)), -1)
 
 
 def run_rows(problem, **options):
@@ -54,7 +45,7 @@ def test_a_gru_jacobian_starts_tiled_and_never_tries_pfor(loop_model):
     report, rows = run_rows(problem)
     assert report.plan["strategy"] == "tiled" and not report.failures, report.failures
     assert not report.plan["time"].get("failed_calls"), report.plan["time"]
-    want = tape_jacobian(gru, {"seq": SEQ}, "y", "seq")
+    want = tape_jacobian(gru, {"seq": SEQ}, "y", "seq", use_pfor=False).reshape(len(rows), -1)
     np.testing.assert_allclose(rows, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 

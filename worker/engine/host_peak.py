@@ -39,9 +39,6 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-_FROZEN = False
-
-
 def trim_heap() -> bool:
     """Give the heap's free memory back to the kernel (glibc's ``malloc_trim(0)``); False where there is none."""
     trim = _malloc_trim()
@@ -49,6 +46,9 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+_FROZEN = False
 
 
 def freeze_imports(*modules: str) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from contracts.layout import Block
-from worker.engine import tuning
 from worker.engine.agreement import rows_agree
 from worker.engine.chunk_run import ChunkRun
 from worker.engine.devices import prepare_gpus
@@ -22,14 +21,7 @@ from worker.engine.errors import EngineError, NotDifferentiable, Stopped, WrongR
 from worker.engine.memory import MemoryProbe, TFMemoryProbe, is_out_of_memory
 from worker.engine.plan import Plan
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import (
-    BASE_STRATEGIES,
-    BATCHED,
-    inlined,
-    is_applicable,
-    pfor_fails_on_loops,
-    second_order_loops,
-)
+from worker.engine.strategies import BASE_STRATEGIES, BATCHED, is_applicable, start_order
 from worker.engine.trial import avoid_unseen, fall_back, mark_refined, maybe_trial, strategy_for_job
 
 log = logging.getLogger(__name__)
@@ -84,9 +76,7 @@ def applicable_labels(problem: Problem) -> list[str]:
 def default_plan(problem: Problem, *, similar: str | None = None, key: Any = None) -> Plan:
     """A plan to start with at once: by kind and model structure, or what a similar request ran."""
     applicable = applicable_labels(problem)
-    order = tuning.default_order(applicable, similar if similar in applicable else None,
-                                 graph_ops=problem.model.graph_ops, second_order_loops=second_order_loops(problem),
-                                 list_loops=pfor_fails_on_loops(problem), inlined=inlined(problem))
+    order = start_order(problem, applicable, similar if similar in applicable else None)
     return Plan(strategy=order[0], key=key, source="default")
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine import inline, pfor_patches, trace_cache
+from worker.engine import inline, pfor_patches, trace_cache, tuning
 from worker.engine.plan import parse_label
 from worker.engine.problem import Problem, unconnected
 
@@ -99,6 +99,14 @@ def pfor_fails_on_loops(problem: Problem) -> bool:
     ``variant`` accumulators; 0.9 s to fail on the benchmark's LSTM, 2 s on a small GRU), where loops of plain
     tensors (an RK4 integrator) convert. ``tiled`` is tried first (``tuning.default_order``)."""
     return bool(problem.mode == "reverse" and not problem.spec.scalar_of and problem.model.graph_list_loops)
+
+
+def start_order(problem: Problem, applicable: list[str], similar: str | None = None) -> list[str]:
+    """``tuning.default_order`` of ``applicable`` for ``problem``'s model and request: by graph size, the body
+    inlined, loops that pfor cannot convert (``pfor_fails_on_loops``, ``second_order_loops``)."""
+    return tuning.default_order(applicable, similar, graph_ops=problem.model.graph_ops, inlined=inlined(problem),
+                                second_order_loops=second_order_loops(problem),
+                                list_loops=pfor_fails_on_loops(problem))
 
 
 def second_order_loops(problem: Problem) -> bool:

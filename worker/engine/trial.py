@@ -18,7 +18,7 @@ from worker.engine.memory import is_out_of_memory
 from worker.engine.plan import Plan, StrategyRecord, parse_label
 from worker.engine.planner import fit_bound
 from worker.engine.problem import Problem, error_summary
-from worker.engine.strategies import inlined, is_compiled, pfor_fails_on_loops, second_order_loops, trace_kept
+from worker.engine.strategies import inlined, is_compiled, start_order, trace_kept
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,7 @@ def seen_strategy(problem: Problem, plan: Plan, applicable: list[str]) -> str:
         return max(known, key=lambda label: float(plan.strategies[label].best_rate() or 0.0))
     usable = [label for label in applicable if not is_unseen(plan, label)
               and (label not in plan.strategies or plan.strategies[label].usable)]
-    order = tuning.default_order(usable, graph_ops=problem.model.graph_ops, inlined=inlined(problem),
-                                 second_order_loops=second_order_loops(problem),
-                                 list_loops=pfor_fails_on_loops(problem))
+    order = start_order(problem, usable)
     return order[0] if order else plan.strategy   # none left (the default order names no eager): stay
 
 
