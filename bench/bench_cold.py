@@ -50,10 +50,10 @@ from bench.common import assert_same, chunk_growth_problems, cpu_hogs, emit, kee
 from tests.procs import base_env, jacobian_exe
 
 REPO = Path(__file__).resolve().parents[1]
-# The floor: a process that imports TensorFlow as our engine does (without Keras and JAX; the collector off
-# during the import, ``freeze_imports``) and loads the
-# SavedModel, nothing else. Any process that computes the Jacobian does at least this, so a goal this process
-# misses (peer/floor < 4, floor RSS / peer's > 0.5) is out of reach of every TensorFlow process here.
+# The floor: a process that imports TensorFlow as our engine does (without Keras and JAX, the API's namespaces lazy:
+# ``worker/engine/tf_import.py``; the collector off during the import, ``freeze_imports``) and loads the SavedModel,
+# nothing else. Any process of ours that computes the Jacobian does at least this, so a goal this process misses
+# (peer/floor < 4, floor RSS / peer's > 0.5) is out of reach of the engine as it imports TensorFlow.
 FLOOR = ("import sys; from worker.engine.host_peak import freeze_imports; freeze_imports('worker.engine'); "
          "import tensorflow as tf; tf.saved_model.load(sys.argv[1])")
 ARCHS = ("mobilenet_softmax", "mobilenet_logits", "efficientnet", "transformer", "lstm", "conv1d")
@@ -320,7 +320,7 @@ def _summary(args: argparse.Namespace, work: Path, rows: list[dict], figures: di
 
     def goal(what: str, key: str, bound: str, floor_key: str) -> dict:
         """A goal's median beside what the floor process (import and load, nothing else) would score: a goal
-        the floor misses is out of reach of any TensorFlow process on this machine, ours included."""
+        the floor misses is out of reach of our engine as it imports TensorFlow, on this machine."""
         value, best = med(key), med(floor_key)
         above = bound.startswith(">=")
         limit = float(bound.split()[1])

@@ -20,6 +20,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Plans (worker.engine.plan_cache) of this test session live in a folder of their own, never in ~/.cache.
 os.environ["JACOBIAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="jacobian-test-plans-")
 
+# TensorFlow is imported in this process as the engine imports it (worker/engine/tf_import.py: without Keras and JAX,
+# the API's namespaces lazy) whichever test imports it first, so every test in this process runs on that import.
+import worker.engine  # noqa: E402,F401
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -135,6 +135,7 @@ def _built(model: LoadedModel, variables: dict[str, Any], input_specs: dict[str,
 def _convert(model: LoadedModel, variables: dict[str, Any], input_specs: dict[str, Any]) -> Any:
     """``fn(**inputs)`` of ``model``'s graph in float64, fed ``variables`` (``_deferred``'s, by name), checked."""
     import tensorflow as tf
+    from tensorflow.python.eager.wrap_function import wrap_function  # tf.compat.v1's, without tf.compat (tf_import)
 
     fn = model.fn
     captured = _read_variables(model)   # which placeholder reads which variable
@@ -162,7 +163,7 @@ def _convert(model: LoadedModel, variables: dict[str, Any], input_specs: dict[st
 
     arg_specs = [input_specs[n] for n in order]
     var_specs = [tf.TensorSpec(variables[n].shape, variables[n].dtype) for n in var_order]
-    wrapped = tf.compat.v1.wrap_function(imported, arg_specs + var_specs)
+    wrapped = wrap_function(imported, arg_specs + var_specs)
     held.clear()
     del graph_def
 

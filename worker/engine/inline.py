@@ -55,8 +55,9 @@ class Body:
 
     def __call__(self, inputs: dict[str, Any]) -> dict[str, Any]:
         import tensorflow as tf
+        from tensorflow.python.framework.ops import get_default_graph  # tf.compat.v1's, without tf.compat (tf_import)
 
-        graph = tf.compat.v1.get_default_graph()
+        graph = get_default_graph()
         feeds = {f"{placeholder}:0": (tf.convert_to_tensor(inputs[source]) if kind == "input"
                                       else graph.capture(self.captured[source]))
                  for placeholder, kind, source in self.feeds}

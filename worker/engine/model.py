@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,7 +12,10 @@ from typing import Any
 from contracts import rules
 from contracts.plans import model_fingerprint as model_fingerprint  # re-exported: plans are keyed by it
 from contracts.savedmodel import Shape, strip_variable_suffix, variable_names
+from worker.engine import tf_import
 from worker.engine.errors import InvalidRequest, NotDifferentiable
+
+log = logging.getLogger(__name__)
 
 
 def shape_tuple(shape: Any) -> Shape:
@@ -125,7 +129,7 @@ def load_model(path: str, signature: str = "serving_default", *, origin: str | N
 
         return load_keras_model(str(path), signature, origin=origin)
     try:
-        loaded = tf.saved_model.load(str(path))
+        loaded = _load_saved_model(tf, str(path))
     except (OSError, ValueError, tf.errors.OpError) as err:
         raise InvalidRequest(f"model.path: cannot load a SavedModel from {path!r}: {err}", field="model.path") from err
     signatures = dict(getattr(loaded, "signatures", {}) or {})
@@ -143,6 +147,22 @@ def load_model(path: str, signature: str = "serving_default", *, origin: str | N
     return LoadedModel(path=str(path), signature=signature, loaded=loaded, fn=fn, input_specs=input_specs,
                        output_specs=output_specs, variables=named_variables(loaded, fn.variables),
                        fingerprint=model_fingerprint(path), **graph_counts(fn))
+
+
+def _load_saved_model(tf: Any, path: str) -> Any:
+    """``tf.saved_model.load``, with TensorFlow's API namespaces all run first where the model needs what only
+    they register (``tf_import``); a load that fails while some were left lazy is tried once more after them."""
+    tf_import.import_for_loading()
+    if tf_import.lazy_left() and tf_import.names_a_skipped_registration(path):
+        tf_import.complete()
+    try:
+        return tf.saved_model.load(path)
+    except Exception:
+        if not tf_import.lazy_left() or not (Path(path) / "saved_model.pb").is_file():
+            raise   # nothing left to run, or nothing a namespace could make loadable
+        log.info("loading %s failed with TensorFlow's API namespaces lazy: again with all of them run", path)
+        tf_import.complete()
+        return tf.saved_model.load(path)
 
 
 def named_variables(loaded: Any, captured: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""TensorFlow's import without the two packages it imports only in case they are wanted: Keras and JAX.
+"""TensorFlow's import without what a SavedModel's Jacobian does not use: Keras, JAX, and the public API's
+namespaces until they are first used.
 
 ``import tensorflow`` (2.21) ends with ``import keras.src.optimizers`` (so that tf_keras's optimizers register
 with the SavedModel loader; Keras 3 registers nothing there), which imports all of Keras 3, and
@@ -8,19 +9,45 @@ peak RSS once MobileNetV3Small is loaded (``python -m bench.bench_tf_import``), 
 and every worker, where a SavedModel needs neither. While TensorFlow's own module is being initialised, the finder
 installed here answers an import of ``keras`` or ``jax`` with a spec whose loader raises ImportError (the spec's
 origin is the real one, since TensorFlow reads Keras's folder from it), so TensorFlow goes on without them; once
-TensorFlow is imported the finder removes itself, and a later ``import keras`` (a ``.keras`` model, ``tf.keras``) or
-``import jax`` is an ordinary import. Where either was imported before TensorFlow, nothing changes. ``tf_keras``
+TensorFlow is imported a later ``import keras`` (a ``.keras`` model, ``tf.keras``) or ``import jax`` is an
+ordinary import. Where either was imported before TensorFlow, nothing changes. ``tf_keras``
 (``TF_USE_LEGACY_KERAS=1``) is left alone: its registrations matter to the loader.
+
+The rest of the import is the public API's namespaces, ``tensorflow._api.v2.*`` (``tf.linalg``, ``tf.compat.v1``,
+``tf.__internal__``, ...): each imports the modules behind its names, among them ``tf.distribute``'s test
+combinations, ``tf.data``'s service, feature columns and TensorFlow's own copy of Keras 2, none of which a SavedModel
+needs. While TensorFlow initialises, the same finder makes each of these namespaces lazy: the module object exists,
+and its code runs when one of its attributes is first read (``tf.linalg.matmul`` runs ``tf.linalg``'s), under a lock
+that another thread reading it meanwhile waits on, with ``tf.distribute`` and ``tf.lite`` bound to TensorFlow's real
+packages of those names while it runs, as during TensorFlow's own import. On the 2-core EPYC a process that imports
+TensorFlow and loads a small model took 0.65 s and 96 MiB less (``python -m bench.bench_tf_import``: ``engine``
+against ``eager_api``); a process that never reads ``tf.compat`` never imports the v1 API's 500 modules.
+What TensorFlow registers on import is then the same as a full import's but for ``SKIPPED_REGISTRATIONS``
+(``tests/engine/test_tf_import.py`` compares them); ``complete()`` runs every namespace left, and the model loader
+calls it for a SavedModel that names one of them, or whose load failed with namespaces left (then loads it again).
+``JACOBIAN_TF_EAGER_API=1`` turns the lazy namespaces off.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
+import threading
+import types
 from typing import Any
 
 DEFERRED = ("keras", "jax")
+API = "tensorflow._api.v2."
+# Registrations made only by modules that no namespace run during the import or the load imports (TensorFlow 2.21):
+# a revived type (TensorFlow's Keras 2 optimizer, in SavedModels that kept one) and the gradients of tfdbg's and the
+# audio microfrontend's ops. ``complete()`` makes them, and ``load_model`` calls it where a SavedModel names one.
+SKIPPED_REGISTRATIONS = ("tf_deprecated_optimizer", "DebugGradientIdentity", "DebugGradientRefIdentity",
+                         "DebugIdentityV2", "AudioMicrofrontend")
+_LOCK = threading.RLock()
+_RUNNING = threading.local()   # .depth: lazy namespaces being run by this thread
+_BEING_RUN: set[int] = set()   # ids of the namespaces being run (by the thread holding _LOCK)
 
 
 class _Refused(importlib.abc.Loader):
@@ -31,27 +58,114 @@ class _Refused(importlib.abc.Loader):
         raise ImportError(f"{module.__name__} is not imported while TensorFlow is (worker/engine/tf_import.py)")
 
 
+class _LazyNamespace(types.ModuleType):
+    """A namespace of TensorFlow's API whose code has not run yet: reading any attribute runs it, once, under a lock
+    that another thread reading it meanwhile waits on (the thread running it reads it as it is made)."""
+
+    def __getattribute__(self, attr: str) -> Any:
+        with _LOCK:
+            if type(self) is _LazyNamespace and id(self) not in _BEING_RUN:
+                _run(self)
+        return types.ModuleType.__getattribute__(self, attr)
+
+    def __delattr__(self, attr: str) -> None:
+        self.__dict__   # noqa: B018 - runs the namespace first
+        types.ModuleType.__delattr__(self, attr)
+
+
+def _run(module: types.ModuleType) -> None:
+    """Run a lazy namespace's code, keeping what was set on it meanwhile (its sub-namespaces, bound by the import),
+    with Keras and JAX deferred as during TensorFlow's import (``tf.lite``'s namespace would import JAX)."""
+    spec = types.ModuleType.__getattribute__(module, "__spec__")
+    before = spec.loader_state
+    namespace = types.ModuleType.__getattribute__(module, "__dict__")
+    kept = {k: v for k, v in namespace.items() if k not in before or before[k] is not v}
+    outermost = not _BEING_RUN
+    top = sys.modules["tensorflow"]
+    bound = _packages_bound(top) if outermost else {}
+    _BEING_RUN.add(id(module))
+    _RUNNING.depth = getattr(_RUNNING, "depth", 0) + 1
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        _RUNNING.depth -= 1
+        _BEING_RUN.discard(id(module))
+        spec.loader_state = None
+        module.__class__ = types.ModuleType
+        for short, namespace_module in bound.items():
+            setattr(top, short, namespace_module)
+    namespace.update(kept)
+
+
+def _packages_bound(top: types.ModuleType) -> dict[str, Any]:
+    """Bind ``tf.<name>`` to TensorFlow's real package of that name where one shares a namespace's name
+    (``distribute``, ``lite``), as they are bound while TensorFlow's own import runs the namespaces: a module
+    imported there reads ``import tensorflow.distribute.experimental.rpc.kernels.gen_rpc_ops as ...`` through those
+    attributes. Returns the namespaces to bind back."""
+    namespaces = {short: value for short, value in list(vars(top).items())
+                  if isinstance(value, types.ModuleType)
+                  and types.ModuleType.__getattribute__(value, "__dict__").get("__name__") == API + short}
+    for short in namespaces:
+        package = sys.modules.get(f"tensorflow.{short}")
+        if package is not None:
+            setattr(top, short, package)
+    return namespaces
+
+
+class _Lazy(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        module.__spec__.loader_state = dict(module.__dict__)
+        module.__class__ = _LazyNamespace
+
+
+def _tensorflow_initialising() -> bool:
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and bool(getattr(getattr(tf, "__spec__", None), "_initializing", False))
+
+
 class _DeferWhileTensorFlowImports(importlib.abc.MetaPathFinder):
+    lazy_api = True
+
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in DEFERRED:
+        deferred = name in DEFERRED
+        if deferred:
+            if not _tensorflow_initialising() and not getattr(_RUNNING, "depth", 0):
+                return None   # an ordinary import
+        elif not (self.lazy_api and name.startswith(API) and _tensorflow_initialising()):
             return None
-        tf = sys.modules.get("tensorflow")
-        if tf is None:
-            return None   # TensorFlow's import has not begun: an ordinary import
-        if not getattr(getattr(tf, "__spec__", None), "_initializing", False):
-            remove()      # TensorFlow is imported: nothing more to defer
-            return None
+        elif "." not in name[len(API):]:
+            _import_package_of_the_same_name(name[len(API):])
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None:
-            spec.loader = _Refused()
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Refused() if deferred else _Lazy(spec.loader)
         return spec
+
+
+def _import_package_of_the_same_name(short: str) -> None:
+    """Import ``tensorflow.<short>`` where TensorFlow has a real package of a namespace's name (``distribute``,
+    ``lite``: empty ``__init__``s) before ``tensorflow/__init__`` binds the namespace as ``tf.<short>``, as a full
+    import does: a first import later would bind the package over the namespace."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(f"tensorflow.{short}") is not None:
+        importlib.import_module(f"tensorflow.{short}")
 
 
 _FINDER = _DeferWhileTensorFlowImports()
 
 
 def install() -> None:
-    """Defer Keras and JAX in this process's TensorFlow import, unless TensorFlow is imported already."""
+    """Defer Keras, JAX and the API's namespaces in this process's TensorFlow import, unless TensorFlow is
+    imported already."""
+    _FINDER.lazy_api = os.environ.get("JACOBIAN_TF_EAGER_API", "") not in ("1", "true")
     if "tensorflow" not in sys.modules and _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
 
@@ -59,3 +173,35 @@ def install() -> None:
 def remove() -> None:
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
+
+
+def lazy_left() -> list[str]:
+    """The API namespaces whose code has not run yet."""
+    return sorted(name for name, module in list(sys.modules.items())
+                  if name.startswith(API) and type(module) is _LazyNamespace)
+
+
+def complete() -> None:
+    """Run every API namespace left lazy, as a full ``import tensorflow`` would have (its registrations with it)."""
+    while left := lazy_left():
+        for name in left:
+            getattr(sys.modules[name], "__name__", None)
+
+
+def import_for_loading() -> None:
+    """Import what registers a SavedModel signature's type specs outside the namespaces the loader runs:
+    ``tf.linalg``'s ``LinearOperator``s (13 ms)."""
+    import tensorflow.python.ops.linalg.linalg  # noqa: F401
+
+
+def names_a_skipped_registration(saved_model_dir: str) -> bool:
+    """Whether the SavedModel's ``saved_model.pb`` names one of ``SKIPPED_REGISTRATIONS`` (a byte search: a name
+    that only looks like one costs a ``complete()``, nothing else)."""
+    import mmap
+
+    try:
+        with open(os.path.join(saved_model_dir, "saved_model.pb"), "rb") as fh, \
+                mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return any(data.find(name.encode()) >= 0 for name in SKIPPED_REGISTRATIONS)
+    except (OSError, ValueError):   # no such file, or an empty one: the loader says what is wrong
+        return False

@@ -149,7 +149,12 @@ def _bind(stored: dict[str, Any], variables: dict[str, Any]) -> Any:
 
     import tensorflow as tf
 
-    definition = tf.compat.v1.GraphDef()
+    # tf.compat.v1's GraphDef, get_default_graph and wrap_function, without running tf.compat (tf_import)
+    from tensorflow.core.framework.graph_pb2 import GraphDef
+    from tensorflow.python.eager.wrap_function import wrap_function
+    from tensorflow.python.framework.ops import get_default_graph
+
+    definition = GraphDef()
     definition.ParseFromString(stored["graph"].tobytes())
     arguments = [str(a) for a in stored["arguments"]]
     outputs = [str(o) for o in stored["outputs"]]
@@ -163,7 +168,7 @@ def _bind(stored: dict[str, Any], variables: dict[str, Any]) -> Any:
             raise KeyError(f"the model has no variable {what[len('variable:'):]!r}")
 
     def imported(*args: Any) -> Any:
-        graph = tf.compat.v1.get_default_graph()
+        graph = get_default_graph()
         mapping = dict(zip(arguments, args))
         for placeholder, what in captures:
             source, name = what.split(":", 1)
@@ -171,7 +176,7 @@ def _bind(stored: dict[str, Any], variables: dict[str, Any]) -> Any:
                                     else tf.constant(stored[name]))
         return tf.graph_util.import_graph_def(definition, input_map=mapping, return_elements=outputs)
 
-    wrapped = tf.compat.v1.wrap_function(imported, specs)
+    wrapped = wrap_function(imported, specs)
 
     def call(*structured: Any) -> Any:
         return wrapped(*tf.nest.flatten(structured, expand_composites=True))[0]
