@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -141,16 +143,23 @@ print(json.dumps({"names": tf_import.names_a_skipped_registration(sys.argv[1] + 
     assert retried == seen
 
 
-def test_a_job_leaves_the_v1_api_and_internals_lazy_and_jax_unimported(tmp_path):
+@pytest.mark.parametrize("model", ["mlp", "rk4"])
+def test_a_job_leaves_the_v1_api_and_internals_lazy_and_jax_unimported(tmp_path, model):
     """A whole ``jacobian compute`` runs none of ``tf.compat`` (the v1 API: 1,200 modules), ``tf.__internal__``,
     ``tf.data``, ``tf.distribute`` or ``tf.lite`` (which would import JAX): the engine reaches ``tf.compat.v1``'s
-    graph tools by their modules. A ``tf.compat.v1.X`` in the engine fails here."""
+    graph tools by their modules. A ``tf.compat.v1.X`` in the engine fails here. The RK4 integrator's
+    ``while_loop`` makes pfor convert a function call with AutoGraph, whose source lookup reads every module's
+    ``__file__``: that leaves a namespace lazy."""
     import numpy as np
 
-    from tests import models
+    from tests import loop_models, models
 
-    path = models.mlp(tmp_path / "mlp")
-    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    if model == "mlp":
+        path = models.mlp(tmp_path / "mlp")
+        np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    else:
+        path = loop_models.rk4(tmp_path / "rk4")
+        np.savez(tmp_path / "in.npz", x0=np.linspace(-1.0, 1.0, 4))
     code = f"""
 import sys, json
 from jacobian.cli import main
@@ -196,3 +205,88 @@ def test_eager_api_turns_the_lazy_namespaces_off(tmp_path):
                           timeout=300, env={**os.environ, "JACOBIAN_TF_EAGER_API": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_reading_a_namespaces_file_leaves_it_lazy_and_a_failed_run_is_run_again(tmp_path):
+    """``__file__`` and the other names a module has before its code runs do not run a namespace
+    (``inspect.getmodule`` reads them on every module); a run interrupted midway leaves the namespace lazy as it
+    was, and the next read runs it whole."""
+    seen = _python("""
+import sys, json, inspect
+import worker.engine
+from worker.engine import tf_import
+import tensorflow as tf
+name = "tensorflow._api.v2.signal"
+module = sys.modules[name]
+_ = (module.__file__, module.__name__, module.__spec__, module.__path__)
+inspect.getmodule(json.dumps)
+after_dunders = name in tf_import.lazy_left()
+loader = module.__spec__.loader
+real = loader.exec_module
+def interrupted(m):
+    raise KeyboardInterrupt
+loader.exec_module = interrupted
+try:
+    tf.signal.fft
+    first = "ran"
+except KeyboardInterrupt:
+    first = "interrupted"
+still_lazy = name in tf_import.lazy_left()
+loader.exec_module = real
+second = tf.signal.fft is not None
+print(json.dumps({"after_dunders": after_dunders, "first": first, "still_lazy": still_lazy, "second": second,
+                  "left_after": name in tf_import.lazy_left()}))
+""", tmp_path)
+    assert seen == {"after_dunders": True, "first": "interrupted", "still_lazy": True, "second": True,
+                    "left_after": False}
+
+
+def test_other_threads_see_the_namespaces_while_the_rest_run(tmp_path):
+    """While ``complete()`` runs every namespace, another thread reading ``tf.distribute`` and ``tf.lite`` (as
+    Keras's training loop reads ``tf.distribute``) always finds the namespaces, never TensorFlow's packages of
+    those names."""
+    seen = _python("""
+import sys, json, threading
+import worker.engine
+from worker.engine import tf_import
+import tensorflow as tf
+tf.distribute.has_strategy(), tf.lite.Interpreter   # run these two first
+stop, errors, reads = threading.Event(), [], [0]
+def read():
+    while not stop.is_set():
+        try:
+            tf.distribute.has_strategy(); tf.lite.Interpreter
+            reads[0] += 1
+        except AttributeError as err:
+            errors.append(str(err))
+reader = threading.Thread(target=read)
+reader.start()
+tf_import.complete()
+stop.set(); reader.join()
+print(json.dumps({"errors": sorted(set(errors))[:3], "read": reads[0] > 0, "left": tf_import.lazy_left()}))
+""", tmp_path)
+    assert seen == {"errors": [], "read": True, "left": []}
+
+
+def test_no_other_tensorflow_module_reads_a_package_through_a_namespaces_name():
+    """``import tensorflow.<name>.x.y as z`` reads ``tf.<name>`` as an attribute, which is a namespace once TensorFlow
+    is imported: where ``<name>`` is also a package of TensorFlow's, every module that does so must be in
+    ``READ_THROUGH_PACKAGE`` (imported while the package is still bound). A TensorFlow that adds one fails here."""
+    import importlib.util
+    import re
+
+    from worker.engine.tf_import import READ_THROUGH_PACKAGE
+
+    root = Path(importlib.util.find_spec("tensorflow").origin).parent
+    shared = [p.name for p in root.iterdir()
+              if (p / "__init__.py").is_file() and (root / "_api" / "v2" / p.name).is_dir()]
+    assert set(shared) == {"distribute", "lite"}, shared
+    pattern = re.compile(rf"^\s*import tensorflow\.({'|'.join(shared)})\.[\w.]+ as ", re.M)
+    found = {}
+    for path in root.rglob("*.py"):
+        if "_api" in path.parts or path.name.endswith("_test.py"):
+            continue
+        for match in pattern.finditer(path.read_text(errors="replace")):
+            module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+            found.setdefault(match.group(1), set()).add(module)
+    assert found == {k: set(v) for k, v in READ_THROUGH_PACKAGE.items()}

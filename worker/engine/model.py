@@ -155,14 +155,16 @@ def _load_saved_model(tf: Any, path: str) -> Any:
     tf_import.import_for_loading()
     if tf_import.lazy_left() and tf_import.names_a_skipped_registration(path):
         tf_import.complete()
+    out_of_memory = (MemoryError, getattr(tf.errors, "ResourceExhaustedError", MemoryError))
     try:
         return tf.saved_model.load(path)
-    except Exception:
-        if not tf_import.lazy_left() or not (Path(path) / "saved_model.pb").is_file():
-            raise   # nothing left to run, or nothing a namespace could make loadable
+    except Exception as err:
+        if isinstance(err, out_of_memory) or not tf_import.lazy_left() \
+                or not (Path(path) / "saved_model.pb").is_file():
+            raise   # out of memory, nothing left to run, or nothing a namespace could make loadable
         log.info("loading %s failed with TensorFlow's API namespaces lazy: again with all of them run", path)
-        tf_import.complete()
-        return tf.saved_model.load(path)
+    tf_import.complete()   # out of the handler: the first attempt's traceback and objects are gone
+    return tf.saved_model.load(path)
 
 
 def named_variables(loaded: Any, captured: Any) -> dict[str, Any]:

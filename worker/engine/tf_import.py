@@ -18,12 +18,14 @@ The rest of the import is the public API's namespaces, ``tensorflow._api.v2.*`` 
 combinations, ``tf.data``'s service, feature columns and TensorFlow's own copy of Keras 2, none of which a SavedModel
 needs. While TensorFlow initialises, the same finder makes each of these namespaces lazy: the module object exists,
 and its code runs when one of its attributes is first read (``tf.linalg.matmul`` runs ``tf.linalg``'s), under a lock
-that another thread reading it meanwhile waits on, with ``tf.distribute`` and ``tf.lite`` bound to TensorFlow's real
-packages of those names while it runs, as during TensorFlow's own import. On the 2-core EPYC a process that imports
+that another thread reading it meanwhile waits on. On the 2-core EPYC a process that imports
 TensorFlow and loads a small model took 0.65 s and 96 MiB less (``python -m bench.bench_tf_import``: ``engine``
 against ``eager_api``); a process that never reads ``tf.compat`` never imports the v1 API (1,200 modules, 0.6 s).
-What TensorFlow registers on import is then the same as a full import's but for ``SKIPPED_REGISTRATIONS``
-(``tests/engine/test_tf_import.py`` compares them); ``complete()`` runs every namespace left, and the model loader
+What a SavedModel's load and its derivatives read from TensorFlow's registries (gradients, type specs, the loader's
+revived types, pfor's converters, the structure coder's codecs) is then a full import's but for
+``SKIPPED_REGISTRATIONS`` (``tests/engine/test_tf_import.py`` compares them; what only tools read stays unregistered
+until its namespace runs: the profiler's flops statistics, TensorFlow's own Keras 2 dispatchers, a TPU checkpoint
+saver); ``complete()`` runs every namespace left, and the model loader
 calls it for a SavedModel that names one of them, or whose load failed with namespaces left (then loads it again).
 ``JACOBIAN_TF_EAGER_API=1`` turns the lazy namespaces off.
 """
@@ -58,14 +60,23 @@ class _Refused(importlib.abc.Loader):
         raise ImportError(f"{module.__name__} is not imported while TensorFlow is (worker/engine/tf_import.py)")
 
 
+# What a namespace holds before its code runs (set from its spec): reading these does not run it, so a scan of
+# ``sys.modules`` for files (``inspect.getmodule``, AutoGraph's source lookup on a loop model's cold trace) or the
+# import of a sub-namespace leaves it lazy.
+_BEFORE_RUN = frozenset({"__name__", "__file__", "__spec__", "__path__", "__loader__", "__package__", "__cached__",
+                         "__class__"})
+
+
 class _LazyNamespace(types.ModuleType):
-    """A namespace of TensorFlow's API whose code has not run yet: reading any attribute runs it, once, under a lock
-    that another thread reading it meanwhile waits on (the thread running it reads it as it is made)."""
+    """A namespace of TensorFlow's API whose code has not run yet: reading any name but ``_BEFORE_RUN``'s runs it,
+    once, under a lock that another thread reading it meanwhile waits on (the thread running it reads it as it is
+    made)."""
 
     def __getattribute__(self, attr: str) -> Any:
-        with _LOCK:
-            if type(self) is _LazyNamespace and id(self) not in _BEING_RUN:
-                _run(self)
+        if attr not in _BEFORE_RUN:
+            with _LOCK:
+                if type(self) is _LazyNamespace and id(self) not in _BEING_RUN:
+                    _run(self)
         return types.ModuleType.__getattribute__(self, attr)
 
     def __delattr__(self, attr: str) -> None:
@@ -75,41 +86,28 @@ class _LazyNamespace(types.ModuleType):
 
 def _run(module: types.ModuleType) -> None:
     """Run a lazy namespace's code, keeping what was set on it meanwhile (its sub-namespaces, bound by the import),
-    with Keras and JAX deferred as during TensorFlow's import (``tf.lite``'s namespace would import JAX)."""
+    with Keras and JAX deferred as during TensorFlow's import (``tf.lite``'s namespace would import JAX). A run that
+    raises (an interrupt, a failed import) leaves the namespace lazy as it was, so the next read runs it again."""
     spec = types.ModuleType.__getattribute__(module, "__spec__")
     before = spec.loader_state
     namespace = types.ModuleType.__getattribute__(module, "__dict__")
     kept = {k: v for k, v in namespace.items() if k not in before or before[k] is not v}
-    outermost = not _BEING_RUN
-    top = sys.modules["tensorflow"]
-    bound = _packages_bound(top) if outermost else {}
     _BEING_RUN.add(id(module))
     _RUNNING.depth = getattr(_RUNNING, "depth", 0) + 1
     try:
         spec.loader.exec_module(module)
+    except BaseException:
+        namespace.clear()
+        namespace.update(before)
+        namespace.update(kept)
+        raise
+    else:
+        spec.loader_state = None
+        module.__class__ = types.ModuleType
+        namespace.update(kept)
     finally:
         _RUNNING.depth -= 1
         _BEING_RUN.discard(id(module))
-        spec.loader_state = None
-        module.__class__ = types.ModuleType
-        for short, namespace_module in bound.items():
-            setattr(top, short, namespace_module)
-    namespace.update(kept)
-
-
-def _packages_bound(top: types.ModuleType) -> dict[str, Any]:
-    """Bind ``tf.<name>`` to TensorFlow's real package of that name where one shares a namespace's name
-    (``distribute``, ``lite``), as they are bound while TensorFlow's own import runs the namespaces: a module
-    imported there reads ``import tensorflow.distribute.experimental.rpc.kernels.gen_rpc_ops as ...`` through those
-    attributes. Returns the namespaces to bind back."""
-    namespaces = {short: value for short, value in list(vars(top).items())
-                  if isinstance(value, types.ModuleType)
-                  and types.ModuleType.__getattribute__(value, "__dict__").get("__name__") == API + short}
-    for short in namespaces:
-        package = sys.modules.get(f"tensorflow.{short}")
-        if package is not None:
-            setattr(top, short, package)
-    return namespaces
 
 
 class _Lazy(importlib.abc.Loader):
@@ -148,15 +146,24 @@ class _DeferWhileTensorFlowImports(importlib.abc.MetaPathFinder):
         return spec
 
 
+# Modules that reach a real package through ``tf.<name>`` (``import tensorflow.distribute.experimental.rpc.kernels.
+# gen_rpc_ops as ...`` reads the attributes ``tensorflow.distribute``, ``.experimental``, ...), which is that
+# package only until ``tensorflow/__init__`` binds the namespace of the same name: imported then, as a full import
+# does (46 ms). ``tests/engine/test_tf_import.py`` looks for others in TensorFlow's sources.
+READ_THROUGH_PACKAGE = {"distribute": ("tensorflow.python.distribute.experimental.rpc.rpc_ops",)}
+
+
 def _import_package_of_the_same_name(short: str) -> None:
     """Import ``tensorflow.<short>`` where TensorFlow has a real package of a namespace's name (``distribute``,
     ``lite``: empty ``__init__``s) before ``tensorflow/__init__`` binds the namespace as ``tf.<short>``, as a full
-    import does: a first import later would bind the package over the namespace."""
+    import does (a first import later would bind the package over the namespace), and what reads through it."""
     import importlib
     import importlib.util
 
     if importlib.util.find_spec(f"tensorflow.{short}") is not None:
         importlib.import_module(f"tensorflow.{short}")
+        for name in READ_THROUGH_PACKAGE.get(short, ()):
+            importlib.import_module(name)
 
 
 _FINDER = _DeferWhileTensorFlowImports()
@@ -170,22 +177,17 @@ def install() -> None:
         sys.meta_path.insert(0, _FINDER)
 
 
-def remove() -> None:
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
-
-
 def lazy_left() -> list[str]:
-    """The API namespaces whose code has not run yet."""
+    """The API namespaces whose code has not run yet (nor is running)."""
     return sorted(name for name, module in list(sys.modules.items())
-                  if name.startswith(API) and type(module) is _LazyNamespace)
+                  if name.startswith(API) and type(module) is _LazyNamespace and id(module) not in _BEING_RUN)
 
 
 def complete() -> None:
     """Run every API namespace left lazy, as a full ``import tensorflow`` would have (its registrations with it)."""
     while left := lazy_left():
         for name in left:
-            getattr(sys.modules[name], "__name__", None)
+            sys.modules[name].__dict__   # noqa: B018 - any name but _BEFORE_RUN's runs it
 
 
 def import_for_loading() -> None:
