@@ -48,8 +48,7 @@ API = "tensorflow._api.v2."
 SKIPPED_REGISTRATIONS = ("tf_deprecated_optimizer", "DebugGradientIdentity", "DebugGradientRefIdentity",
                          "DebugIdentityV2", "AudioMicrofrontend")
 _LOCK = threading.RLock()
-_RUNNING = threading.local()   # .depth: lazy namespaces being run by this thread
-_BEING_RUN: set[int] = set()   # ids of the namespaces being run (by the thread holding _LOCK)
+_RUNNING = threading.local()   # .ids: the namespaces this thread is running (it holds _LOCK meanwhile)
 
 
 class _Refused(importlib.abc.Loader):
@@ -75,7 +74,7 @@ class _LazyNamespace(types.ModuleType):
     def __getattribute__(self, attr: str) -> Any:
         if attr not in _BEFORE_RUN:
             with _LOCK:
-                if type(self) is _LazyNamespace and id(self) not in _BEING_RUN:
+                if type(self) is _LazyNamespace and id(self) not in _running():
                     _run(self)
         return types.ModuleType.__getattribute__(self, attr)
 
@@ -92,8 +91,7 @@ def _run(module: types.ModuleType) -> None:
     before = spec.loader_state
     namespace = types.ModuleType.__getattribute__(module, "__dict__")
     kept = {k: v for k, v in namespace.items() if k not in before or before[k] is not v}
-    _BEING_RUN.add(id(module))
-    _RUNNING.depth = getattr(_RUNNING, "depth", 0) + 1
+    _running().add(id(module))
     try:
         spec.loader.exec_module(module)
     except BaseException:
@@ -106,8 +104,13 @@ def _run(module: types.ModuleType) -> None:
         module.__class__ = types.ModuleType
         namespace.update(kept)
     finally:
-        _RUNNING.depth -= 1
-        _BEING_RUN.discard(id(module))
+        _running().discard(id(module))
+
+
+def _running() -> set[int]:
+    if not hasattr(_RUNNING, "ids"):
+        _RUNNING.ids = set()
+    return _RUNNING.ids
 
 
 class _Lazy(importlib.abc.Loader):
@@ -134,7 +137,7 @@ class _DeferWhileTensorFlowImports(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         deferred = name in DEFERRED
         if deferred:
-            if not _tensorflow_initialising() and not getattr(_RUNNING, "depth", 0):
+            if not _tensorflow_initialising() and not _running():
                 return None   # an ordinary import
         elif not (self.lazy_api and name.startswith(API) and _tensorflow_initialising()):
             return None
@@ -178,9 +181,10 @@ def install() -> None:
 
 
 def lazy_left() -> list[str]:
-    """The API namespaces whose code has not run yet (nor is running)."""
+    """The API namespaces whose code has not run yet (nor is running in this thread; another thread's run holds
+    _LOCK, which a read of one waits on)."""
     return sorted(name for name, module in list(sys.modules.items())
-                  if name.startswith(API) and type(module) is _LazyNamespace and id(module) not in _BEING_RUN)
+                  if name.startswith(API) and type(module) is _LazyNamespace and id(module) not in _running())
 
 
 def complete() -> None:
