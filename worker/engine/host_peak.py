@@ -60,7 +60,8 @@ def freeze_imports(*modules: str) -> None:
     (0.27 s of full collections in a 2.4 s import, 2-core EPYC); after the freeze each collection walks only what
     jobs made since: a cold ``jacobian compute`` of the transformer encoder spent 0.2 s collecting after its
     float64 probes (``precision._drop_copy``), 0.01 s with the freeze, and its probes took 0.47 s, not 0.67 s.
-    A module imported before this call was imported with the collector on (no harm, only slower)."""
+    A module imported before this call was imported with the collector on (no harm, only slower). Then the pages of
+    shared libraries that only the import read are handed back (``library_pages.release``)."""
     global _FROZEN
     if _FROZEN:
         return
@@ -77,6 +78,9 @@ def freeze_imports(*modules: str) -> None:
         _FROZEN = True
         if was_on:
             gc.enable()
+    from worker.engine import library_pages
+
+    library_pages.release()   # what only the import read: the dynamic linker's tables, static initialisers
 
 
 def status_bytes(field: str, path: str | None = None) -> int | None:

@@ -27,7 +27,9 @@ revived types, pfor's converters, the structure coder's codecs) is then a full i
 until its namespace runs: the profiler's flops statistics, TensorFlow's own Keras 2 dispatchers, a TPU checkpoint
 saver); ``complete()`` runs every namespace left, and the model loader
 calls it for a SavedModel that names one of them, or whose load failed with namespaces left (then loads it again).
-``JACOBIAN_TF_EAGER_API=1`` turns the lazy namespaces off.
+``JACOBIAN_TF_EAGER_API=1`` turns the lazy namespaces off. The finder also hands back the pages of TensorFlow's
+libraries that only their loading read (``library_pages``) at the first import after they are loaded (``NATIVE``),
+before TensorFlow's Python modules are imported on top of them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 
 DEFERRED = ("keras", "jax")
 API = "tensorflow._api.v2."
+NATIVE = "tensorflow.python._pywrap_tensorflow_internal"   # its import loads libtensorflow_cc and _framework
 # Registrations made only by modules that no namespace run during the import or the load imports (TensorFlow 2.21):
 # a revived type (TensorFlow's Keras 2 optimizer, in SavedModels that kept one) and the gradients of tfdbg's and the
 # audio microfrontend's ops. ``complete()`` makes them, and ``load_model`` calls it where a SavedModel names one.
@@ -133,8 +136,14 @@ def _tensorflow_initialising() -> bool:
 
 class _DeferWhileTensorFlowImports(importlib.abc.MetaPathFinder):
     lazy_api = True
+    native_pages_released = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if not self.native_pages_released and NATIVE in sys.modules:
+            self.native_pages_released = True   # first: release() imports, which comes back here
+            from worker.engine import library_pages
+
+            library_pages.release()   # the pages that loading TensorFlow's libraries read (``library_pages``)
         deferred = name in DEFERRED
         if deferred:
             if not _tensorflow_initialising() and not _running():
