@@ -27,9 +27,11 @@ revived types, pfor's converters, the structure coder's codecs) is then a full i
 until its namespace runs: the profiler's flops statistics, TensorFlow's own Keras 2 dispatchers, a TPU checkpoint
 saver); ``complete()`` runs every namespace left, and the model loader
 calls it for a SavedModel that names one of them, or whose load failed with namespaces left (then loads it again).
-``JACOBIAN_TF_EAGER_API=1`` turns the lazy namespaces off. The finder also hands back the pages of TensorFlow's
-libraries that only their loading read (``library_pages``) at the first import after they are loaded (``NATIVE``),
-before TensorFlow's Python modules are imported on top of them.
+``JACOBIAN_TF_EAGER_API=1`` turns the lazy namespaces off. The finder also hands back the pages of shared libraries
+that only their loading read (``library_pages``): those of the libraries loaded so far as TensorFlow's import starts,
+so that they are not resident under the peak that loading TensorFlow's own makes (16 MiB of it in a ``jacobian
+compute`` process), and TensorFlow's at the first import after they are loaded (``NATIVE``), before its Python
+modules are imported on top of them.
 """
 
 from __future__ import annotations
@@ -136,14 +138,15 @@ def _tensorflow_initialising() -> bool:
 
 class _DeferWhileTensorFlowImports(importlib.abc.MetaPathFinder):
     lazy_api = True
-    native_pages_released = False
+    pages_released: tuple[bool, bool] = (False, False)   # (as TensorFlow's import starts, once its libraries are in)
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if not self.native_pages_released and NATIVE in sys.modules:
-            self.native_pages_released = True   # first: release() imports, which comes back here
+        before, native = self.pages_released
+        if (not before and name == "tensorflow") or (not native and NATIVE in sys.modules):
+            self.pages_released = (True, NATIVE in sys.modules)   # first: release() imports, which comes back here
             from worker.engine import library_pages
 
-            library_pages.release()   # the pages that loading TensorFlow's libraries read (``library_pages``)
+            library_pages.release()   # pages that only loading libraries read (``library_pages``)
         deferred = name in DEFERRED
         if deferred:
             if not _tensorflow_initialising() and not _running():
