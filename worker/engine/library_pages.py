@@ -1,12 +1,12 @@
 """Hand back the pages of shared libraries that only their loading read, around TensorFlow's import.
 
 Loading TensorFlow leaves about 380 MiB of ``libtensorflow_cc.so.2`` and ``libtensorflow_framework.so.2`` in a
-process's resident set that no job reads again (TensorFlow 2.21, a 2-core EPYC; ``/proc/self/pagemap`` by
+process's resident set that no job reads again (TensorFlow 2.21, a 2-core Xeon; ``/proc/self/pagemap`` by
 section): the dynamic linker's symbol names, symbols and relocations (``.dynstr`` 83 MiB, ``.dynsym`` 11,
 ``.rela.dyn`` 19, all of each) and the code of the static initialisers that register every op and kernel (171 of
 ``.text``'s 346 MiB, with the kernel's fault-around mapping 64 KiB about each page touched). They are clean pages
-of the library's file, but mapped executable pages are the last that the kernel's reclaim takes from a process
-(they stay on the active list while mapped), and they are counted in its resident set, which is what a container's
+of the library's file, but while they are mapped the kernel's reclaim keeps them (executable pages that were used
+get another round on its active list), and they are counted in the process's resident set, which is what a container's
 working set, ``top`` and a host job's memory budget read: a process that only imports TensorFlow and loads a small
 model holds 540 MiB, of which 140 are its own (anonymous) memory.
 
@@ -14,8 +14,8 @@ model holds 540 MiB, of which 140 are its own (anonymous) memory.
 of its own (no dirty or anonymous page: a relocated read-only segment, ``.data.rel.ro`` after RELRO, has them and
 is left alone, as is anything writable). For such a mapping the call only unmaps: the pages stay in the page cache,
 reclaimable like any file page, and a page read again is mapped again from there (a minor fault) with the same
-bytes, as a file-backed page always may be. The process above falls to 177 MiB, and computing a gradient maps
-back the 66 MiB that it uses. Nothing is written, and nothing that can change is dropped.
+bytes, as a file-backed page always may be. The process above falls to about 200 MiB, and a gradient then maps
+back 45 MiB of TensorFlow's libraries. Nothing is written, and nothing that can change is dropped.
 
 It is called three times in a process that imports TensorFlow through the engine: as TensorFlow's import starts
 (``tf_import``'s finder: the libraries loaded before it, 16 MiB of a ``jacobian compute`` process, are then not
