@@ -44,6 +44,8 @@ import threading
 import types
 from typing import Any
 
+from worker.engine import library_pages  # imported here, not under the import lock that find_spec runs in
+
 DEFERRED = ("keras", "jax")
 API = "tensorflow._api.v2."
 NATIVE = "tensorflow.python._pywrap_tensorflow_internal"   # its import loads libtensorflow_cc and _framework
@@ -143,9 +145,7 @@ class _DeferWhileTensorFlowImports(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         before, native = self.pages_released
         if (not before and name == "tensorflow") or (not native and NATIVE in sys.modules):
-            self.pages_released = (True, NATIVE in sys.modules)   # first: release() imports, which comes back here
-            from worker.engine import library_pages
-
+            self.pages_released = (True, NATIVE in sys.modules)   # first: an import in release() comes back here
             library_pages.release()   # pages that only loading libraries read (``library_pages``)
         deferred = name in DEFERRED
         if deferred:
