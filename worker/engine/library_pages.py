@@ -99,6 +99,10 @@ def to_release(found: list[Mapping]) -> list[Mapping]:
     return [m for m in found if m.releasable and m.path in laid_out]
 
 
+def _other_threads() -> int:
+    return threading.active_count() - 1
+
+
 def _madvise() -> Callable[[int, int, int], int]:
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -114,8 +118,9 @@ def release(smaps_path: str = SMAPS) -> int:
     KiB that were resident in them (0 where nothing was done: turned off, another Python thread running, an error)."""
     if not enabled():
         return 0
-    if threading.active_count() != 1:
-        log.debug("library pages not released: other threads run (%d)", threading.active_count() - 1)
+    others = _other_threads()
+    if others:
+        log.debug("library pages not released: %d other Python threads run", others)
         return 0
     try:
         with open(smaps_path, "rb") as fh:
