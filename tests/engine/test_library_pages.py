@@ -16,7 +16,7 @@ MIB = 1 << 20
 CODE = """
 import json, os, sys
 from worker.engine import library_pages
-from worker.engine.host_peak import freeze_imports
+from worker.engine.host_peak import freeze_imports, status_bytes
 
 calls, release = [], library_pages.release
 def recorded(*args):
@@ -24,7 +24,7 @@ def recorded(*args):
     return release(*args)
 library_pages.release = recorded
 freeze_imports()
-peak_kib = int(next(line for line in open('/proc/self/status') if line.startswith('VmHWM')).split()[1])
+peak_kib = status_bytes('VmHWM') // 1024
 def tf_libraries():
     with open('/proc/self/smaps') as fh:
         return [m for m in library_pages.mappings(fh.read()) if 'libtensorflow' in m.path]
